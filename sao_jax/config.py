@@ -1,0 +1,225 @@
+"""Typed, frozen run configuration loaded from YAML with `base:` inheritance and CLI overrides.
+
+A config file may name `base: other.yaml` (relative to itself) and then hold only what differs, so an
+ablation's whole meaning is a few lines. `key.sub=value` overrides from the command line are applied
+last; values are parsed as YAML scalars (`critic.lr=5e-6`, `loss.name=estr`). An unknown key or a wrong
+type is one `ConfigError` naming the key, the file and a close match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A malformed config: says which key, where, and what would fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageConfig:
+    """How advantages and critic targets are computed (ALGORITHMS.md §1–3, §9, §10)."""
+
+    estimator: str = "skip_observation_gae"
+    gamma: float = 1.0
+    lam_critic: float = 1.0  # decoupled λ: critic targets use λ = 1 (VAPO; SAO)
+    lam_policy: float = 0.95  # used when length_adaptive_alpha is None
+    length_adaptive_alpha: float | None = 1.5  # λ_policy = 1 − 1/(α·l); SAO uses α = 1.5
+    running_mean_window: int = 8
+    running_mean_scope: str = "per_prompt"  # or "global"
+    group_size: int = 1
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = [(n, f"must be in [0, 1] (got {v})") for n, v in
+               (("gamma", self.gamma), ("lam_critic", self.lam_critic), ("lam_policy", self.lam_policy))
+               if not 0.0 <= v <= 1.0]
+        if self.running_mean_scope not in ("per_prompt", "global"):
+            out.append(("running_mean_scope", f"must be per_prompt or global (got {self.running_mean_scope!r})"))
+        if self.group_size < 1:
+            out.append(("group_size", f"must be >= 1 (got {self.group_size})"))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Policy loss and keep rule (ALGORITHMS.md §4–5)."""
+
+    name: str = "dis"
+    eps_low: float = 0.3
+    eps_high: float = 5.0
+    icepop_alpha: float = 0.5
+    icepop_beta: float = 5.0
+    estr_tau: float = 1.0
+    estr_eps: float = 0.01
+    value_clip_eps: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    warmup_steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CriticConfig:
+    """The critic and TTUR (ALGORITHMS.md §6–8)."""
+
+    updates_per_policy_update: int = 2  # K in TTUR
+    warmup_steps: int = 10  # critic-only steps before the first policy update
+    trainable_patterns: tuple[str, ...] = ("mlp/router", "mlp/experts", "mlp/shared_experts", "value_head")
+    optimizer: OptimizerConfig = OptimizerConfig(lr=5e-6)
+    pretrain_rollouts: int = 256
+
+    def problems(self) -> list[tuple[str, str]]:
+        k = self.updates_per_policy_update
+        return [("updates_per_policy_update", f"must be >= 1 (got {k})")] if k < 1 else []
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-6)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One run. `seed` and `output_dir` always exist (the CLI contract)."""
+
+    seed: int = 0
+    output_dir: str = "runs/default"
+    advantage: AdvantageConfig = AdvantageConfig()
+    loss: LossConfig = LossConfig()
+    critic: CriticConfig = CriticConfig()
+    policy: PolicyConfig = PolicyConfig()
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    schema: type = Config,
+) -> Any:
+    """Read `path` (following `base:` links), apply `key.sub=value` overrides, build `schema`."""
+    raw: dict[str, Any] = _read_with_bases(Path(path), seen=()) if path is not None else {}
+    source = str(path) if path is not None else "<defaults>"
+    if overrides:
+        source += " with command-line overrides"
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        _set_dotted(raw, key.strip().split("."), yaml.safe_load(text))
+    return _build(schema(), raw, prefix="", source=source)
+
+
+def to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (for YAML dumps, checkpoints and logs)."""
+    return dataclasses.asdict(config)
+
+
+def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
+    path = path.resolve()
+    if path in seen:
+        raise ConfigError(f"config base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    merged = _read_with_bases(path.parent / base, seen=(*seen, path))
+    _deep_update(merged, data)
+    return merged
+
+
+def _deep_update(into: dict[str, Any], new: Mapping[str, Any]) -> None:
+    for key, value in new.items():
+        if isinstance(value, Mapping) and isinstance(into.get(key), dict):
+            _deep_update(into[key], value)
+        else:
+            into[key] = value
+
+
+def _set_dotted(raw: dict[str, Any], keys: list[str], value: Any) -> None:
+    node = raw
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {'.'.join(keys)}: {key} is not a section")
+    node[keys[-1]] = value
+
+
+def _build(default: Any, raw: Mapping[str, Any], *, prefix: str, source: str) -> Any:
+    """`default` with the keys of `raw` replaced; nested sections recurse from their own defaults."""
+    fields = {f.name for f in dataclasses.fields(default)}
+    hints = typing.get_type_hints(type(default))
+    for key in raw:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; known keys: {', '.join(sorted(fields))}"
+            raise ConfigError(f"unknown config key {prefix}{key} in {source}{hint}")
+    changes = {}
+    for name, value in raw.items():
+        key = prefix + name
+        if dataclasses.is_dataclass(hints[name]):
+            if not isinstance(value, Mapping):
+                raise ConfigError(f"{key} must be a section (mapping) (got {value!r}) in {source}")
+            changes[name] = _build(getattr(default, name), value, prefix=key + ".", source=source)
+        else:
+            changes[name] = _coerce(hints[name], value, key=key, source=source)
+    built = dataclasses.replace(default, **changes)
+    for name, problem in getattr(built, "problems", lambda: [])():
+        raise ConfigError(f"{prefix}{name} {problem} in {source}")
+    return built
+
+
+def _coerce(hint: Any, value: Any, *, key: str, source: str) -> Any:
+    def fail(expected: str) -> ConfigError:
+        return ConfigError(f"{key} must be {expected} (got {value!r}) in {source}")
+
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None and type(None) in options:
+            return None
+        errors = []
+        for option in options:
+            if option is type(None):
+                continue
+            try:
+                return _coerce(option, value, key=key, source=source)
+            except ConfigError as e:
+                errors.append(e)
+        raise fail(" or ".join(getattr(o, "__name__", str(o)) for o in options))
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise fail("a list")
+        (item_type, _) = typing.get_args(hint)
+        return tuple(_coerce(item_type, v, key=f"{key}[{i}]", source=source) for i, v in enumerate(value))
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise fail("true or false")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise fail("an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise fail("a number")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise fail("a string")
+        return value
+    raise ConfigError(f"{key}: unsupported config type {hint!r}")
