@@ -1,0 +1,87 @@
+"""Config loading: base inheritance, overrides, and errors that name the key."""
+
+import pytest
+
+from sao_jax.config import Config, ConfigError, load_config
+
+
+def write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_no_file_gives_embedded_default():
+    config = load_config()
+    assert config == Config()
+    assert config.seed == 0 and config.output_dir
+
+
+def test_base_file_holds_only_the_difference(tmp_path):
+    write(tmp_path / "sao.yaml", "seed: 3\ncritic:\n  updates_per_policy_update: 2\n")
+    (tmp_path / "ablations").mkdir()
+    child = write(tmp_path / "ablations" / "k1.yaml", "base: ../sao.yaml\ncritic:\n  updates_per_policy_update: 1\n")
+    config = load_config(child)
+    assert config.seed == 3  # inherited
+    assert config.critic.updates_per_policy_update == 1  # overridden
+    assert config.critic.warmup_steps == Config().critic.warmup_steps  # untouched default
+
+
+def test_nested_section_keeps_its_parents_defaults(tmp_path):
+    # The critic's optimizer defaults to lr 5e-6 (not OptimizerConfig's 1e-6); setting another key
+    # of that section must not reset it.
+    config = load_config(None, ["critic.optimizer.warmup_steps=5"])
+    assert config.critic.optimizer.lr == pytest.approx(5e-6)
+    assert config.critic.optimizer.warmup_steps == 5
+    assert config.policy.optimizer.lr == pytest.approx(1e-6)
+
+
+def test_overrides_parse_yaml_scalars_and_lists():
+    config = load_config(None, ["loss.name=estr", "loss.estr_tau=0.5", "critic.trainable_patterns=[mlp, value_head]"])
+    assert config.loss.name == "estr"
+    assert config.loss.estr_tau == 0.5
+    assert config.critic.trainable_patterns == ("mlp", "value_head")
+
+
+def test_int_is_accepted_for_float_but_not_the_reverse():
+    assert load_config(None, ["advantage.gamma=1"]).advantage.gamma == 1.0
+    with pytest.raises(ConfigError, match=r"critic\.updates_per_policy_update must be an integer"):
+        load_config(None, ["critic.updates_per_policy_update=1.5"])
+
+
+def test_unknown_key_names_key_file_and_close_match(tmp_path):
+    path = write(tmp_path / "x.yaml", "critic:\n  updates_per_polcy_update: 1\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert "critic.updates_per_polcy_update" in message
+    assert "x.yaml" in message
+    assert "did you mean critic.updates_per_policy_update" in message
+
+
+def test_invalid_value_names_key_and_fix():
+    with pytest.raises(ConfigError, match=r"critic\.updates_per_policy_update must be >= 1 \(got 0\)"):
+        load_config(None, ["critic.updates_per_policy_update=0"])
+    with pytest.raises(ConfigError, match=r"advantage\.gamma must be in \[0, 1\]"):
+        load_config(None, ["advantage.gamma=2"])
+
+
+def test_section_given_a_scalar_is_an_error():
+    with pytest.raises(ConfigError, match="critic must be a section"):
+        load_config(None, ["critic=3"])
+
+
+def test_malformed_override_and_missing_file_and_cycle(tmp_path):
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(None, ["seed"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    write(tmp_path / "a.yaml", "base: b.yaml\n")
+    write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ConfigError, match="cycle"):
+        load_config(tmp_path / "a.yaml")
+
+
+def test_config_is_frozen():
+    config = load_config()
+    with pytest.raises(AttributeError):
+        config.seed = 1  # type: ignore[misc]
