@@ -1,0 +1,370 @@
+"""Keep rules, policy losses and the value loss (ALGORITHMS.md §4–5).
+
+All arrays are `[batch, time]`; masks are bool or 0/1 of the same shape. Every loss is a
+token-level mean: it sums over the action tokens of the whole batch and divides by
+N = Σ action_mask (1 if the batch has no action tokens, so an empty batch gives loss 0).
+
+Policy losses share one signature, `loss(inputs: PolicyLossInputs, *, <hyperparameters>) ->
+(loss, metrics)`, and are looked up by name in `POLICY_LOSSES`; the trainer binds the
+hyperparameters from config with `functools.partial`. Every metrics dict has exactly the keys in
+`POLICY_METRIC_KEYS`, so logging is the same whichever loss runs.
+
+Token populations used in the metrics (all are subsets of the action tokens):
+  dropped  — removed by the loss's keep rule (DIS band, IcePop band, ESTR rule); none for PPO-clip.
+  clipped  — kept by the keep rule but clipped by the PPO min/clip, so their gradient is zero:
+             Â > 0 and r > 1+ε_high, or Â < 0 and r < 1−ε_low; none for DIS (it has no clip).
+  masked   — dropped ∪ clipped: every action token that receives no gradient.
+  kept     — action tokens that receive a gradient (action ∖ masked).
+For PPO-clip, masked_fraction is therefore the usual clip fraction.
+"""
+
+from typing import Callable, NamedTuple
+
+import chex
+import jax
+import jax.numpy as jnp
+
+Array = chex.Array
+
+
+class PolicyLossInputs(NamedTuple):
+    """What every policy loss reads, all `[batch, time]`.
+
+    logp:            log π_θ(a_t) under the parameters being trained (carries the gradient).
+    rollout_logp:    log μ_t(a_t), recorded by the rollout engine when it sampled the token.
+    old_logp:        log π_θ_old(a_t), a trainer forward pass before the update; needed by
+                     "icepop" and "ppo_clip" only, may be None for "dis" and "estr".
+    advantages:      Â_t (zero or ignored on non-action tokens).
+    action_mask:     1 on tokens the policy sampled.
+    rollout_entropy: H_t, entropy of μ_t over the full vocabulary; read by "estr" and by the
+                     entropy diagnostics of every loss.
+    """
+
+    logp: Array
+    rollout_logp: Array
+    old_logp: Array | None
+    advantages: Array
+    action_mask: Array
+    rollout_entropy: Array
+
+
+POLICY_METRIC_KEYS = (
+    "kept_fraction",
+    "masked_fraction",
+    "dropped_fraction",
+    "clipped_fraction",
+    "kept_entropy_mean",
+    "masked_entropy_mean",
+    "ratio_mean",
+    "ratio_max",
+    "rollout_log_ratio_mean",
+)
+
+
+# ----------------------------------------------------------------------------- reductions
+
+def _masked_sum(x: Array, mask: Array) -> Array:
+    # `where`, not `x * mask`: x may be inf/NaN on tokens outside the mask (padding).
+    return jnp.sum(jnp.where(mask, x, 0.0))
+
+
+def _masked_mean(x: Array, mask: Array) -> Array:
+    """Σ_mask x / Σ mask, and 0 when the mask is empty."""
+    count = jnp.sum(mask.astype(jnp.float32))
+    return _masked_sum(x, mask) / jnp.maximum(count, 1.0)
+
+
+# ----------------------------------------------------------------------------- keep rules
+
+def dis_mask(logp: Array, rollout_logp: Array, *, eps_low: float, eps_high: float) -> Array:
+    """DIS keep mask (SAO §3.1): M_t = 1[1−ε_low < sg(r_t) < 1+ε_high], an open interval.
+
+    r_t = exp(log π_θ(a_t) − log π_rollout(a_t)). Returns bool `[batch, time]`; AND it with the
+    action mask yourself.
+    """
+    chex.assert_equal_shape([logp, rollout_logp])
+    ratio = jnp.exp(jax.lax.stop_gradient(logp) - rollout_logp)
+    return (ratio > 1.0 - eps_low) & (ratio < 1.0 + eps_high)
+
+
+def icepop_mask(old_logp: Array, rollout_logp: Array, *, alpha: float = 0.5, beta: float = 5.0) -> Array:
+    """IcePop keep mask (Ring-1T): M_t = 1[α ≤ k_t ≤ β], k_t = π_θ_old(a_t) / π_rollout(a_t).
+
+    Returns bool `[batch, time]`; AND it with the action mask yourself.
+    """
+    chex.assert_equal_shape([old_logp, rollout_logp])
+    train_infer_ratio = jnp.exp(jax.lax.stop_gradient(old_logp) - rollout_logp)
+    return (train_infer_ratio >= alpha) & (train_infer_ratio <= beta)
+
+
+def estr_mask(
+    logp: Array, rollout_logp: Array, rollout_entropy: Array, *, tau: float, eps: float = 0.01
+) -> Array:
+    """ESTR keep mask: M_t = 1[δ_t² ≤ τ·(H_t + ε)], δ_t = sg(log π_θ(a_t)) − log μ_t(a_t).
+
+    H_t is the entropy of the behaviour policy μ_t at token t. Returns bool `[batch, time]`; AND it
+    with the action mask yourself.
+    """
+    chex.assert_equal_shape([logp, rollout_logp, rollout_entropy])
+    log_ratio = jax.lax.stop_gradient(logp) - rollout_logp
+    return jnp.square(log_ratio) <= tau * (rollout_entropy + eps)
+
+
+def calibrate_estr_tau(
+    logp: Array,
+    rollout_logp: Array,
+    rollout_entropy: Array,
+    action_mask: Array,
+    *,
+    target_masked_fraction: float,
+    eps: float = 0.01,
+) -> Array:
+    """The ESTR τ that masks `target_masked_fraction` q of the action tokens.
+
+    A token is masked iff its score s_t = δ_t² / (H_t + ε) exceeds τ, so τ is the (1−q) quantile of
+    s over the action tokens: with s sorted ascending s_(1) ≤ … ≤ s_(N) and k = round(q·N) tokens
+    to mask (at most N−1, so at least one token is kept), τ = (s_(N−k) + s_(N−k+1)) / 2, the
+    midpoint between the largest kept and the smallest masked score (robust to the rounding of
+    δ² ≤ τ(H+ε) against δ²/(H+ε)); for k = 0, τ = 2·s_(N). The masked count is then within one
+    token of q·N unless scores tie. Returns a scalar (inf when there are no action tokens); jit-able.
+    """
+    if isinstance(target_masked_fraction, (int, float)) and not 0.0 <= target_masked_fraction <= 1.0:
+        raise ValueError(
+            f"calibrate_estr_tau: target_masked_fraction must be in [0, 1], got {target_masked_fraction}"
+        )
+    chex.assert_equal_shape([logp, rollout_logp, rollout_entropy, action_mask])
+    is_action = action_mask.astype(bool).reshape(-1)
+    log_ratio = (jax.lax.stop_gradient(logp) - rollout_logp).reshape(-1)
+    score = jnp.square(log_ratio) / (rollout_entropy.reshape(-1) + eps)
+    # Non-action tokens sort to the end, so the first N sorted entries are the action scores.
+    sorted_score = jnp.sort(jnp.where(is_action, score, jnp.inf))
+    num_action = jnp.sum(is_action)
+    num_masked = jnp.clip(jnp.round(target_masked_fraction * num_action).astype(num_action.dtype),
+                          0, jnp.maximum(num_action - 1, 0))
+    num_kept = num_action - num_masked
+    largest_kept = sorted_score[jnp.maximum(num_kept - 1, 0)]
+    smallest_masked = sorted_score[jnp.minimum(num_kept, sorted_score.size - 1)]
+    return jnp.where(num_masked > 0, 0.5 * (largest_kept + smallest_masked), 2.0 * largest_kept)
+
+
+# ----------------------------------------------------------------------------- policy losses
+
+def _check_inputs(inputs: PolicyLossInputs, loss_name: str, needs_old_logp: bool) -> None:
+    if needs_old_logp and inputs.old_logp is None:
+        raise ValueError(
+            f"policy loss {loss_name!r} needs PolicyLossInputs.old_logp (log π_θ_old from a trainer "
+            "forward pass before the update), got None"
+        )
+    if inputs.rollout_entropy is None:
+        raise ValueError(
+            f"policy loss {loss_name!r} needs PolicyLossInputs.rollout_entropy (every loss logs the "
+            "entropy of its masked tokens, ALGORITHMS.md §5), got None"
+        )
+    arrays = [inputs.logp, inputs.rollout_logp, inputs.advantages, inputs.action_mask,
+              inputs.rollout_entropy]
+    if needs_old_logp:
+        arrays.append(inputs.old_logp)
+    chex.assert_rank(arrays, 2)
+    chex.assert_equal_shape(arrays)
+
+
+def _ppo_clip_objective(ratio: Array, advantages: Array, eps_low: float, eps_high: float):
+    """Per-token min(r·Â, clip(r, 1−ε_low, 1+ε_high)·Â) and where the clipped branch wins strictly.
+
+    A token is clipped (zero gradient) iff Â > 0 and r > 1+ε_high, or Â < 0 and r < 1−ε_low.
+    """
+    clipped_ratio = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
+    objective = jnp.minimum(ratio * advantages, clipped_ratio * advantages)
+    clipped = ((advantages > 0) & (ratio > 1.0 + eps_high)) | ((advantages < 0) & (ratio < 1.0 - eps_low))
+    return objective, clipped
+
+
+def _clipped_surrogate_loss(
+    inputs: PolicyLossInputs, reference_logp: Array, keep: Array, eps_low: float, eps_high: float
+):
+    """−Σ_{keep ∧ action} min(r Â, clip(r) Â) / N, r = π_θ / π_reference: the PPO family's core.
+
+    Returns (loss, ratio for metrics, clipped mask).
+    """
+    is_action = inputs.action_mask.astype(bool)
+    contributes = is_action & keep
+    # Zero the log-ratio where the token contributes nothing, so an extreme or non-finite logp on a
+    # dropped or padding token cannot turn its zero gradient into NaN (0·inf) through exp.
+    log_ratio = jnp.where(contributes, inputs.logp - reference_logp, 0.0)
+    advantages = jax.lax.stop_gradient(inputs.advantages)
+    objective, clipped = _ppo_clip_objective(jnp.exp(log_ratio), advantages, eps_low, eps_high)
+    num_action = jnp.maximum(jnp.sum(is_action.astype(jnp.float32)), 1.0)
+    loss = -_masked_sum(objective, contributes) / num_action
+    ratio = jnp.exp(jax.lax.stop_gradient(inputs.logp) - reference_logp)
+    return loss, ratio, clipped & contributes
+
+
+def _policy_metrics(
+    inputs: PolicyLossInputs, ratio: Array, dropped: Array, clipped: Array
+) -> dict[str, Array]:
+    """The uniform metrics dict (keys = POLICY_METRIC_KEYS); populations as in the module docstring.
+
+    ratio: the ratio the loss itself uses (π_θ/π_rollout for DIS and ESTR, π_θ/π_θ_old for
+    PPO-clip and IcePop). rollout_log_ratio_mean = mean of log π_θ − log π_rollout over action
+    tokens, the train/inference mismatch; its negative is the k1 estimate of KL(μ ‖ π_θ).
+    """
+    is_action = inputs.action_mask.astype(bool)
+    dropped = dropped & is_action
+    clipped = clipped & is_action
+    masked = dropped | clipped
+    kept = is_action & ~masked
+    entropy = jax.lax.stop_gradient(inputs.rollout_entropy)
+    ratio = jax.lax.stop_gradient(ratio)
+    rollout_log_ratio = jax.lax.stop_gradient(inputs.logp) - inputs.rollout_logp
+    return {
+        "kept_fraction": _masked_mean(kept.astype(jnp.float32), is_action),
+        "masked_fraction": _masked_mean(masked.astype(jnp.float32), is_action),
+        "dropped_fraction": _masked_mean(dropped.astype(jnp.float32), is_action),
+        "clipped_fraction": _masked_mean(clipped.astype(jnp.float32), is_action),
+        "kept_entropy_mean": _masked_mean(entropy, kept),
+        "masked_entropy_mean": _masked_mean(entropy, masked),
+        "ratio_mean": _masked_mean(ratio, is_action),
+        # Ratios are positive, so 0 stands for "no action tokens".
+        "ratio_max": jnp.max(jnp.where(is_action, ratio, 0.0)),
+        "rollout_log_ratio_mean": _masked_mean(rollout_log_ratio, is_action),
+    }
+
+
+def dis_loss(inputs: PolicyLossInputs, *, eps_low: float, eps_high: float):
+    """DIS policy loss (SAO §3.1): L = −Σ_t M_t · r_t · Â_t / N, no PPO min/clip.
+
+    r_t = π_θ(a_t)/π_rollout(a_t), M_t = dis_mask ∧ action_mask (stop-gradient). Gradient
+    ∇L = −Σ_t M_t r_t Â_t ∇log π_θ(a_t) / N, exactly zero on dropped tokens. SAO uses
+    (ε_low, ε_high) = (0.3, 5.0) for math-with-Python and (0.8, 3.0) for the coding agent.
+    Does not read old_logp.
+    """
+    _check_inputs(inputs, "dis", needs_old_logp=False)
+    is_action = inputs.action_mask.astype(bool)
+    keep = dis_mask(inputs.logp, inputs.rollout_logp, eps_low=eps_low, eps_high=eps_high) & is_action
+    # The ratio is built from the masked log-ratio so dropped tokens get an exact-zero gradient
+    # even when their ratio overflows; r itself carries the gradient (∇r = r ∇log π).
+    ratio = jnp.exp(jnp.where(keep, inputs.logp - inputs.rollout_logp, 0.0))
+    advantages = jax.lax.stop_gradient(inputs.advantages)
+    num_action = jnp.maximum(jnp.sum(is_action.astype(jnp.float32)), 1.0)
+    loss = -_masked_sum(ratio * advantages, keep) / num_action
+    metrics_ratio = jnp.exp(jax.lax.stop_gradient(inputs.logp) - inputs.rollout_logp)
+    return loss, _policy_metrics(inputs, metrics_ratio, dropped=~keep, clipped=jnp.zeros_like(keep))
+
+
+def ppo_clip_loss(inputs: PolicyLossInputs, *, eps_low: float = 0.2, eps_high: float = 0.28):
+    """PPO-clip with clip-higher (vanilla VAPO, "no DIS").
+
+    L = −Σ_t min(r Â, clip(r, 1−ε_low, 1+ε_high) Â) / N over action tokens,
+    r_t = π_θ(a_t)/π_θ_old(a_t); no train/inference mismatch mask. Needs old_logp. The defaults are
+    VAPO's (0.2, 0.28). masked_fraction is the clip fraction.
+    """
+    _check_inputs(inputs, "ppo_clip", needs_old_logp=True)
+    keep = jnp.ones(inputs.action_mask.shape, bool)
+    loss, ratio, clipped = _clipped_surrogate_loss(inputs, inputs.old_logp, keep, eps_low, eps_high)
+    return loss, _policy_metrics(inputs, ratio, dropped=~keep, clipped=clipped)
+
+
+def icepop_loss(
+    inputs: PolicyLossInputs,
+    *,
+    alpha: float = 0.5,
+    beta: float = 5.0,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+):
+    """IcePop (Ring-1T): drop tokens with k = π_θ_old/π_rollout ∉ [α, β], PPO-clip the rest.
+
+    L = −Σ_t M_t min(r Â, clip(r, 1−ε_low, 1+ε_high) Â) / N, M_t = icepop_mask ∧ action_mask,
+    r_t = π_θ(a_t)/π_θ_old(a_t). Needs old_logp. The clip defaults are VAPO's (ours: the IcePop
+    source fixes α, β only).
+    """
+    _check_inputs(inputs, "icepop", needs_old_logp=True)
+    keep = icepop_mask(inputs.old_logp, inputs.rollout_logp, alpha=alpha, beta=beta)
+    loss, ratio, clipped = _clipped_surrogate_loss(inputs, inputs.old_logp, keep, eps_low, eps_high)
+    return loss, _policy_metrics(inputs, ratio, dropped=~keep, clipped=clipped)
+
+
+def estr_loss(
+    inputs: PolicyLossInputs,
+    *,
+    tau: float,
+    eps: float = 0.01,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+):
+    """ESTR: drop tokens with δ² > τ(H+ε) against the behaviour policy μ, PPO-clip the rest.
+
+    L = −Σ_t M_t min(r Â, clip(r, 1−ε_low, 1+ε_high) Â) / N, M_t = estr_mask ∧ action_mask,
+    r_t = π_θ(a_t)/μ_t(a_t). τ has no published value: calibrate it with `calibrate_estr_tau`.
+    The clip defaults are VAPO's (ours). Does not read old_logp.
+    """
+    _check_inputs(inputs, "estr", needs_old_logp=False)
+    keep = estr_mask(inputs.logp, inputs.rollout_logp, inputs.rollout_entropy, tau=tau, eps=eps)
+    loss, ratio, clipped = _clipped_surrogate_loss(inputs, inputs.rollout_logp, keep, eps_low, eps_high)
+    return loss, _policy_metrics(inputs, ratio, dropped=~keep, clipped=clipped)
+
+
+POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
+    "dis": dis_loss,
+    "icepop": icepop_loss,
+    "estr": estr_loss,
+    "ppo_clip": ppo_clip_loss,
+}
+
+
+# ----------------------------------------------------------------------------- value loss
+
+def value_loss(
+    values: Array,
+    returns: Array,
+    action_mask: Array,
+    *,
+    old_values: Array | None = None,
+    clip_eps: float | None = None,
+):
+    """Critic regression: L = ½ Σ_t (V_t − G_t)² / N over action tokens.
+
+    With old_values and clip_eps (PPO-style value clipping):
+        L = ½ Σ_t max((V_t − G_t)², (clip(V_t, V_old − ε, V_old + ε) − G_t)²) / N.
+    Metrics: explained_variance = 1 − Var[G − V] / Var[G] over action tokens (population variances;
+    reported as 0 when Var[G] = 0, where it is undefined), value_mean, return_mean, and
+    clip_fraction = share of action tokens where the clipped term is strictly larger, i.e. whose
+    value gets no gradient (0 without clipping).
+    """
+    chex.assert_rank([values, returns, action_mask], 2)
+    chex.assert_equal_shape([values, returns, action_mask])
+    if (old_values is None) != (clip_eps is None):
+        raise ValueError(
+            "value_loss: value clipping needs both old_values and clip_eps "
+            f"(got old_values={'set' if old_values is not None else None}, clip_eps={clip_eps})"
+        )
+    is_action = action_mask.astype(bool)
+    returns = jax.lax.stop_gradient(returns)
+    squared_error = jnp.square(values - returns)
+    if clip_eps is None:
+        clipped = jnp.zeros(is_action.shape, bool)
+    else:
+        chex.assert_equal_shape([values, old_values])
+        old_values = jax.lax.stop_gradient(old_values)
+        clipped_values = jnp.clip(values, old_values - clip_eps, old_values + clip_eps)
+        clipped_squared_error = jnp.square(clipped_values - returns)
+        clipped = clipped_squared_error > squared_error
+        squared_error = jnp.maximum(squared_error, clipped_squared_error)
+    loss = 0.5 * _masked_mean(squared_error, is_action)
+
+    values = jax.lax.stop_gradient(values)
+    return_mean = _masked_mean(returns, is_action)
+    return_variance = _masked_mean(jnp.square(returns - return_mean), is_action)
+    residual = returns - values
+    residual_variance = _masked_mean(jnp.square(residual - _masked_mean(residual, is_action)), is_action)
+    has_variance = return_variance > 0
+    explained_variance = jnp.where(
+        has_variance, 1.0 - residual_variance / jnp.where(has_variance, return_variance, 1.0), 0.0
+    )
+    metrics = {
+        "explained_variance": explained_variance,
+        "value_mean": _masked_mean(values, is_action),
+        "return_mean": return_mean,
+        "clip_fraction": _masked_mean((clipped & is_action).astype(jnp.float32), is_action),
+    }
+    return loss, metrics
