@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from sao_jax.optim import CRITIC_FROZEN_ATTENTION_TRAINABLE
+
 
 class ConfigError(ValueError):
     """A malformed config: says which key, where, and what would fix it."""
@@ -42,6 +44,12 @@ class AdvantageConfig:
                if not 0.0 <= v <= 1.0]
         if self.running_mean_scope not in ("per_prompt", "global"):
             out.append(("running_mean_scope", f"must be per_prompt or global (got {self.running_mean_scope!r})"))
+        from sao_jax.train.steps import ADVANTAGE_ESTIMATORS  # the table the trainer looks names up in
+
+        if self.estimator not in ADVANTAGE_ESTIMATORS:
+            close = difflib.get_close_matches(self.estimator, ADVANTAGE_ESTIMATORS, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            out.append(("estimator", f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)} (got {self.estimator!r}){hint}"))
         if self.group_size < 1:
             out.append(("group_size", f"must be >= 1 (got {self.group_size})"))
         return out
@@ -60,6 +68,15 @@ class LossConfig:
     estr_eps: float = 0.01
     value_clip_eps: float | None = None
 
+    def problems(self) -> list[tuple[str, str]]:
+        from sao_jax.losses import POLICY_LOSSES
+
+        if self.name in POLICY_LOSSES:
+            return []
+        close = difflib.get_close_matches(self.name, POLICY_LOSSES, n=1)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        return [("name", f"must be one of {', '.join(POLICY_LOSSES)} (got {self.name!r}){hint}")]
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
@@ -75,7 +92,9 @@ class CriticConfig:
 
     updates_per_policy_update: int = 2  # K in TTUR
     warmup_steps: int = 10  # critic-only steps before the first policy update
-    trainable_patterns: tuple[str, ...] = ("mlp/router", "mlp/experts", "mlp/shared_experts", "value_head")
+    # Regexes over "/"-joined parameter paths (sao_jax.optim): MoE projections + value head train,
+    # attention, embeddings and norms are frozen. "w/o frozen attention" is `[".*"]`.
+    trainable_patterns: tuple[str, ...] = CRITIC_FROZEN_ATTENTION_TRAINABLE
     optimizer: OptimizerConfig = OptimizerConfig(lr=5e-6)
     pretrain_rollouts: int = 256
 
@@ -215,6 +234,11 @@ def _coerce(hint: Any, value: Any, *, key: str, source: str) -> Any:
             raise fail("an integer")
         return value
     if hint is float:
+        if isinstance(value, str):  # PyYAML reads `1e-6` (no dot) as a string: YAML 1.1's float rule
+            try:
+                return float(value)
+            except ValueError:
+                raise fail("a number") from None
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise fail("a number")
         return float(value)

@@ -368,3 +368,17 @@ def value_loss(
         "clip_fraction": _masked_mean((clipped & is_action).astype(jnp.float32), is_action),
     }
     return loss, metrics
+
+
+# ----------------------------------------------------------------------------- teacher forcing
+
+def token_logprobs(logits: Array, tokens: Array) -> Array:
+    """Teacher-forced log π(token_t | tokens_<t), float32 `[batch, time]`; 0 at t = 0.
+
+    `logits[:, t]` (the model's output after reading token t) predicts token t+1, so the log-prob of
+    token t is read from `logits[:, t−1]`. The first token has no prediction; it is a prompt token.
+    """
+    chex.assert_rank([logits, tokens], [3, 2])
+    logprobs = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    picked = jnp.take_along_axis(logprobs, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.pad(picked, ((0, 0), (1, 0)))

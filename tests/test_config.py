@@ -85,3 +85,11 @@ def test_config_is_frozen():
     config = load_config()
     with pytest.raises(AttributeError):
         config.seed = 1  # type: ignore[misc]
+
+
+def test_exponent_without_dot_is_a_float(tmp_path):
+    # PyYAML follows YAML 1.1 and reads `1e-6` as a string; a learning rate must still load.
+    path = write(tmp_path / "lr.yaml", "policy:\n  optimizer:\n    lr: 1e-6\n")
+    assert load_config(path).policy.optimizer.lr == pytest.approx(1e-6)
+    with pytest.raises(ConfigError, match="policy.optimizer.lr must be a number"):
+        load_config(None, ["policy.optimizer.lr=fast"])

@@ -484,3 +484,18 @@ def test_value_clipping_needs_both_old_values_and_clip_eps():
     values = jnp.zeros((1, 3))
     with pytest.raises(ValueError, match="old_values"):
         losses.value_loss(values, values, jnp.ones((1, 3), bool), clip_eps=0.2)
+
+
+def test_token_logprobs_reads_the_previous_positions_prediction():
+    from sao_jax.losses import token_logprobs
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, 5, 7)).astype(np.float32)
+    tokens = rng.integers(0, 7, size=(2, 5))
+    got = np.asarray(token_logprobs(jnp.asarray(logits), jnp.asarray(tokens)))
+    for b in range(2):
+        assert got[b, 0] == 0.0
+        for t in range(1, 5):
+            row = logits[b, t - 1].astype(np.float64)
+            expected = row[tokens[b, t]] - np.log(np.sum(np.exp(row)))
+            np.testing.assert_allclose(got[b, t], expected, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,185 @@
+"""The training steps: TTUR composition checked against the same sequence written out by hand."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from sao_jax import advantages as adv
+from sao_jax import losses
+from sao_jax.config import load_config
+from sao_jax.models import Critic, Policy, tiny_qwen3_moe
+from sao_jax.optim import adamw, label_params, train_only
+from sao_jax.rollout.trajectory import Trajectory, collate
+from sao_jax.train import steps as steps_lib
+
+K = 2
+
+
+def synthetic_batch(seed=0, rows=4, vocab=97):
+    """Rows of prompt ‖ a0 ‖ o0 ‖ a1 with random lengths, outcome reward on the last action token."""
+    rng = np.random.default_rng(seed)
+    trajectories = []
+    for row in range(rows):
+        lengths = rng.integers(2, 6, size=4)
+        kinds = np.repeat([0, 1, 2, 1], lengths)  # 0 prompt, 1 action, 2 observation
+        n = len(kinds)
+        action = kinds == 1
+        rewards = np.zeros(n, np.float32)
+        rewards[np.flatnonzero(action)[-1]] = float(rng.integers(0, 2))
+        trajectories.append(
+            Trajectory(
+                tokens=rng.integers(3, vocab, size=n).astype(np.int32),
+                action_mask=action,
+                rollout_logprobs=np.where(action, rng.normal(-2.0, 0.3, n), 0).astype(np.float32),
+                rollout_entropy=np.where(action, rng.uniform(0.5, 2.0, n), 0).astype(np.float32),
+                policy_version=np.where(action, 0, -1).astype(np.int32),
+                rewards=rewards,
+                turn_index=np.zeros(n, np.int32),
+                prompt_id=row,
+            )
+        )
+    return jax.tree.map(jnp.asarray, collate(trajectories, buckets=(32,)))
+
+
+@pytest.fixture(scope="module")
+def setup():
+    config = load_config(None, ["critic.optimizer.lr=1.0", "policy.optimizer.lr=1.0", "loss.eps_low=0.99",
+                                "loss.eps_high=100.0"])  # fmt: skip
+    model_config = tiny_qwen3_moe()
+    policy = Policy(model_config, rngs=nnx.Rngs(0))
+    critic = Critic.from_policy(policy, rngs=nnx.Rngs(1))
+    # SGD, not Adam: Adam's first step is ±lr for any gradient, which would amplify float32
+    # reassociation noise in near-zero gradients past any sensible tolerance.
+    policy_tx = steps_lib.guard_nonfinite(optax.sgd(config.policy.optimizer.lr))
+    critic_tx = steps_lib.guard_nonfinite(
+        train_only(optax.sgd(config.critic.optimizer.lr), config.critic.trainable_patterns)
+    )
+    state, graphs = steps_lib.make_train_state(policy, critic, policy_tx, critic_tx, config, num_prompts=4)
+    steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
+    return config, state, graphs, steps, policy_tx, critic_tx
+
+
+def copy_state(state):
+    return jax.tree.map(jnp.copy, state)
+
+
+def hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx):
+    """ALGORITHMS.md §6 spelled out: K critic steps on λ_critic targets, then values from the updated
+    critic, λ_policy advantages and one DIS step — without the composition helpers."""
+    critic_params, critic_opt = state.critic_params, state.critic_opt_state
+
+    def critic_forward(params):
+        model = nnx.merge(graphs.critic, params, state.critic_buffers)
+        raw, _, aux = model.forward(batch.tokens, attention_mask=batch.valid_mask)
+        return jnp.concatenate([jnp.zeros_like(raw[:, :1]), raw[:, :-1]], axis=1), aux
+
+    for _ in range(K):
+        def value_objective(params):
+            values, aux = critic_forward(params)
+            _, targets = adv.skip_observation_gae(
+                batch.rewards, jax.lax.stop_gradient(values), batch.action_mask, gamma=1.0, lam=1.0
+            )
+            return losses.value_loss(values, targets, batch.action_mask)[0] + graphs.critic_aux_coef * aux
+
+        grads = jax.grad(value_objective)(critic_params)
+        updates, critic_opt = critic_tx.update(grads, critic_opt, critic_params)
+        critic_params = optax.apply_updates(critic_params, updates)
+
+    values, _ = critic_forward(critic_params)
+    lam = 1.0 - 1.0 / (1.5 * jnp.sum(batch.action_mask, axis=1))
+    advantages, _ = adv.skip_observation_gae(batch.rewards, values, batch.action_mask, gamma=1.0, lam=lam)
+
+    def policy_objective(params):
+        model = nnx.merge(graphs.policy, params, state.policy_buffers)
+        logits, _, aux = model.forward(batch.tokens, attention_mask=batch.valid_mask)
+        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
+        logp = jnp.take_along_axis(logp, batch.tokens[:, 1:, None], axis=-1)[..., 0]
+        logp = jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], axis=1)
+        ratio = jnp.exp(logp - batch.rollout_logprobs)
+        keep = (ratio > 1 - config.loss.eps_low) & (ratio < 1 + config.loss.eps_high) & batch.action_mask
+        keep = jax.lax.stop_gradient(keep)
+        n = jnp.sum(batch.action_mask)
+        return -jnp.sum(jnp.where(keep, ratio * advantages, 0.0)) / n + graphs.policy_aux_coef * aux
+
+    grads = jax.grad(policy_objective)(state.policy_params)
+    updates, policy_opt = policy_tx.update(grads, state.policy_opt_state, state.policy_params)
+    policy_params = optax.apply_updates(state.policy_params, updates)
+    return critic_params, policy_params
+
+
+def test_ttur_step_equals_the_sequence_written_out_by_hand(setup):
+    config, state, graphs, steps, policy_tx, critic_tx = setup
+    batch = synthetic_batch()
+    expected_critic, expected_policy = hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx)
+    new_state, metrics = steps.ttur_step(copy_state(state), batch, jax.random.key(0))
+    for got, want in ((new_state.critic_params, expected_critic), (new_state.policy_params, expected_policy)):
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
+    assert int(new_state.step) == 1
+    assert {"critic/value_loss", "critic/explained_variance", "policy/loss", "policy/masked_fraction",
+            "policy/masked_entropy_mean"} <= set(metrics)  # fmt: skip
+
+
+def test_policy_update_uses_the_updated_critic(setup):
+    # Swapping the order (policy first, on the stale critic) must give a different policy.
+    config, state, graphs, steps, policy_tx, critic_tx = setup
+    batch = synthetic_batch(seed=1)
+    stale, _ = steps.policy_update(copy_state(state), batch, jax.random.key(0))
+    fresh, _ = steps.ttur_step(copy_state(state), batch, jax.random.key(0))
+    differences = jax.tree.leaves(jax.tree.map(lambda a, b: jnp.max(jnp.abs(a - b)), stale.policy_params,
+                                               fresh.policy_params))  # fmt: skip
+    assert max(float(d) for d in differences) > 0
+
+
+def test_frozen_attention_leaves_are_bit_identical_after_a_step(setup):
+    config, state, graphs, steps, *_ = setup
+    before = copy_state(state.critic_params)
+    after, _ = steps.ttur_step(copy_state(state), synthetic_batch(seed=2), jax.random.key(0))
+    labels = label_params(before, config.critic.trainable_patterns)
+    moved = jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, after.critic_params)
+    flat_labels = jax.tree.leaves(labels)
+    flat_moved = jax.tree.leaves(moved)
+    assert "frozen" in flat_labels and "trainable" in flat_labels
+    for label, changed in zip(flat_labels, flat_moved):
+        assert changed == (label == "trainable"), (label, changed)
+
+
+def test_nan_reward_skips_the_update_and_is_counted(setup):
+    config, state, graphs, steps, *_ = setup
+    batch = synthetic_batch(seed=3)
+    batch = batch.replace(rewards=batch.rewards.at[0, -1].set(jnp.nan).at[0, 5].set(jnp.nan))
+    before = copy_state(state)
+    after, metrics = steps.ttur_step(copy_state(state), batch, jax.random.key(0))
+    for old, new in ((before.critic_params, after.critic_params), (before.policy_params, after.policy_params)):
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), old, new)
+    assert int(metrics["critic/skipped_updates"]) == K
+    assert int(metrics["policy/skipped_updates"]) == 1
+    # and the next finite batch trains again
+    again, metrics = steps.ttur_step(after, synthetic_batch(seed=4), jax.random.key(1))
+    assert int(metrics["critic/skipped_updates"]) == K
+
+
+def test_steps_compile_once_per_shape(setup):
+    config, state, graphs, steps, *_ = setup
+    s = copy_state(state)
+    for seed in range(3):
+        s, _ = steps.ttur_step(s, synthetic_batch(seed=seed), jax.random.key(seed))
+    assert steps.ttur_step._cache_size() == 1
+
+
+@pytest.mark.parametrize("estimator", ["running_mean", "cross_observation_gae", "step_gae_mean", "step_gae_last"])
+def test_every_estimator_row_runs(estimator):
+    config = load_config(None, [f"advantage.estimator={estimator}"])
+    policy = Policy(tiny_qwen3_moe(), rngs=nnx.Rngs(0))
+    critic = Critic.from_policy(policy, rngs=nnx.Rngs(1))
+    policy_tx = steps_lib.guard_nonfinite(adamw(1e-3))
+    critic_tx = steps_lib.guard_nonfinite(train_only(adamw(1e-3), config.critic.trainable_patterns))
+    state, graphs = steps_lib.make_train_state(policy, critic, policy_tx, critic_tx, config, num_prompts=4)
+    steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
+    state, metrics = steps.ttur_step(state, synthetic_batch(), jax.random.key(0))
+    assert np.isfinite(float(metrics["policy/loss"]))
+    if estimator == "running_mean":
+        assert "critic/value_loss" not in metrics
+        assert int(state.baseline.count.sum()) == 4  # four real rows entered their windows
