@@ -1,0 +1,131 @@
+"""What a run writes: `metrics.jsonl`, TensorBoard events, and `plots/*.png` at the end.
+
+`metrics.jsonl` holds one JSON object per line, each with an integer `"step"`; evaluation lines carry
+`"eval/success_rate"`. Lines are flushed as they are written, so a crash loses at most the line being
+written; on resume, lines past the checkpoint's step are cut away first (`truncate_after`) so the
+resumed run appends exactly what the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+
+def _plain(value: Any) -> Any:
+    """A JSON-ready scalar: numpy/JAX scalars to Python numbers, NaN/inf to None (strict JSON)."""
+    if isinstance(value, (str, bool)) or value is None:
+        return value
+    number = float(np.asarray(value))
+    if not math.isfinite(number):
+        return None
+    if isinstance(value, (int, np.integer)) or (np.asarray(value).dtype.kind in "iu"):
+        return int(number)
+    return number
+
+
+class MetricsWriter:
+    """Appends metric lines to `OUTDIR/metrics.jsonl` and mirrors scalars to TensorBoard."""
+
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True):
+        self.output_dir = Path(output_dir)
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.output_dir / "metrics.jsonl"
+        self._file = self.path.open("a")
+        self._tb = None
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+
+    def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+        """Write one line `{"step": step, **metrics}`; returns the line as written."""
+        line = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(line, sort_keys=True) + "\n")
+        self._file.flush()
+        if self._tb is not None:
+            for key, value in line.items():
+                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self._tb.add_scalar(key, value, global_step=int(step))
+        return line
+
+    def close(self) -> None:
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+    def __enter__(self) -> MetricsWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, Any]]:
+    """All complete lines of a metrics file (a torn last line from a crash is ignored)."""
+    lines = []
+    for text in Path(path).read_text().splitlines():
+        try:
+            lines.append(json.loads(text))
+        except json.JSONDecodeError:
+            break  # only the last line can be torn: it was being written when the process died
+    return lines
+
+
+def truncate_after(path: str | Path, step: int) -> int:
+    """Keep the lines with `step <= step` (and drop a torn tail); returns how many lines were cut."""
+    path = Path(path)
+    if not path.exists():
+        return 0
+    before = len(path.read_text().splitlines())
+    kept = [line for line in read_metrics(path) if line["step"] <= step]
+    path.write_text("".join(json.dumps(line, sort_keys=True) + "\n" for line in kept))
+    return before - len(kept)
+
+
+# Which metrics each plot shows: (file name, title, [(metric key, label)]).
+PLOTS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+    ("reward.png", "Reward and held-out success",
+     (("train/reward_mean", "train reward"), ("eval/success_rate", "held-out success"))),
+    ("critic.png", "Critic", (("critic/value_loss", "value loss"), ("critic/explained_variance", "explained variance"))),
+    ("keep_rule.png", "Keep rule",
+     (("policy/masked_fraction", "masked fraction"), ("policy/masked_entropy_mean", "masked-token entropy"))),
+    ("staleness.png", "Asynchrony", (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
+)  # fmt: skip
+
+
+def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None = None) -> list[Path]:
+    """Write `plots/*.png` from a run's metrics; a plot whose metrics never appeared is skipped."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    lines = list(lines) if lines is not None else read_metrics(output_dir / "metrics.jsonl")
+    (output_dir / "plots").mkdir(parents=True, exist_ok=True)
+    written = []
+    for filename, title, series in PLOTS:
+        present = [(key, label) for key, label in series if any(line.get(key) is not None for line in lines)]
+        if not present:
+            continue
+        fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.5), squeeze=False)
+        for ax, (key, label) in zip(axes[0], present):
+            points = [(line["step"], line[key]) for line in lines if line.get(key) is not None]
+            steps, values = zip(*points)
+            ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3)
+            ax.set_title(label)
+            ax.set_xlabel("step")
+            ax.grid(alpha=0.3)
+        fig.suptitle(title)
+        fig.tight_layout()
+        path = output_dir / "plots" / filename
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    return written

@@ -1,0 +1,54 @@
+"""Orbax checkpoints: round trip, keep-N, and falling back past a corrupted step."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from sao_jax.checkpoint import Checkpointer
+
+
+def make_state(seed):
+    key = jax.random.key(seed)
+    return {"params": {"w": jax.random.normal(key, (4, 3)), "b": jnp.arange(3.0)}, "step": jnp.int32(seed)}
+
+
+def abstract(state):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+
+
+def test_round_trip_of_state_and_host_dict(tmp_path):
+    state = make_state(1)
+    with Checkpointer(tmp_path / "ckpt") as ckpt:
+        ckpt.save(7, state, {"prompts_taken": 12, "style_phase": "cute", "config": {"seed": 3}})
+        ckpt.wait()
+        restored_state, host = ckpt.restore(7, abstract(state))
+    jax.tree.map(np.testing.assert_array_equal, restored_state, state)
+    assert host == {"prompts_taken": 12, "style_phase": "cute", "config": {"seed": 3}}
+
+
+def test_keeps_only_the_last_n(tmp_path):
+    with Checkpointer(tmp_path / "ckpt", keep=2) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(step, make_state(step), {})
+            ckpt.wait()
+        assert ckpt.steps() == [3, 4]
+
+
+def test_corrupted_latest_step_falls_back_to_the_previous(tmp_path):
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory, async_save=False) as ckpt:
+        ckpt.save(1, make_state(1), {"n": 1})
+        ckpt.save(2, make_state(2), {"n": 2})
+    # Corrupt every data file of step 2 (a disk error after the save completed).
+    for path in (directory / "2").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    with Checkpointer(directory) as ckpt:
+        step, state, host = ckpt.restore_latest(abstract(make_state(0)))
+    assert step == 1 and host == {"n": 1}
+    jax.tree.map(np.testing.assert_array_equal, state, make_state(1))
+
+
+def test_no_checkpoint_gives_none(tmp_path):
+    with Checkpointer(tmp_path / "empty") as ckpt:
+        assert ckpt.restore_latest(abstract(make_state(0))) is None
