@@ -1,0 +1,34 @@
+"""Models: config, the NNX MoE decoder (Policy, Critic), Hugging Face import/export, sharding rules."""
+
+from sao_jax.models.config import (
+    ModelConfig,
+    ModelConfigError,
+    cpu_moe,
+    glm45_air,
+    param_count,
+    qwen3_30b_a3b,
+    tiny_glm4_moe,
+    tiny_qwen3_moe,
+)
+from sao_jax.models.decoder import Critic, Decoder, Policy
+from sao_jax.models.hf import CheckpointError, from_pretrained, hf_tensor_specs, save_pretrained
+from sao_jax.models.layers import KVCache
+
+__all__ = [
+    "CheckpointError",
+    "Critic",
+    "Decoder",
+    "KVCache",
+    "ModelConfig",
+    "ModelConfigError",
+    "Policy",
+    "cpu_moe",
+    "from_pretrained",
+    "glm45_air",
+    "hf_tensor_specs",
+    "param_count",
+    "qwen3_30b_a3b",
+    "save_pretrained",
+    "tiny_glm4_moe",
+    "tiny_qwen3_moe",
+]

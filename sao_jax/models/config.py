@@ -1,0 +1,454 @@
+"""Model configuration: one frozen dataclass for the Qwen3-MoE and GLM-4.5-MoE decoder families.
+
+`ModelConfig` names what the decoder needs in our words; `from_hf` / `to_hf` translate from and to
+the `config.json` of a Hugging Face checkpoint (`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM`, as in
+transformers 4.57.1). The two families differ only by data here:
+
+| feature                  | Qwen3-MoE                         | GLM-4.5-MoE                              |
+|--------------------------|-----------------------------------|------------------------------------------|
+| router score             | softmax over experts              | sigmoid, + `e_score_correction_bias` for choice |
+| expert groups            | none                              | `n_group` / `topk_group`                 |
+| shared experts           | none                              | `n_shared_experts`                       |
+| dense layers             | `mlp_only_layers`, `decoder_sparse_step` | first `first_k_dense_replace` layers |
+| rotary dims              | all of `head_dim`                 | first `partial_rotary_factor * head_dim` |
+| q/k RMSNorm per head     | always                            | `use_qk_norm`                            |
+| attention bias           | q, k, v and o (`attention_bias`)  | q, k, v only (`attention_bias`)          |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+import jax.numpy as jnp
+
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+MOE_DISPATCHES = ("dense", "sorted")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+class ModelConfigError(ValueError):
+    """A model configuration (ours or a Hugging Face `config.json`) that we cannot use."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and behaviour of a decoder-only MoE transformer.
+
+    A layer `i` is a MoE layer iff `num_experts > 0`, `i >= first_dense_layers`,
+    `i not in dense_layers` and `(i + 1) % moe_layer_step == 0` (see `is_moe_layer`); otherwise its
+    MLP is a dense SwiGLU of width `intermediate_size`.
+
+    Routing of a token x with router logits z = x·W_router (float32):
+      s = softmax(z) or sigmoid(z)                           (`router_scoring`)
+      choice = s + b  (b = `e_score_correction_bias` iff `router_correction_bias`, else 0),
+               restricted to the `num_selected_groups` best of `num_expert_groups` groups
+      E_top = top-`num_experts_per_token` experts of `choice`
+      w_e = s_e / Σ_{E_top} s (iff `norm_topk_prob`) · `routed_scaling_factor`
+    MoE output = Σ_{e∈E_top} w_e · SwiGLU_e(x) + SwiGLU_shared(x) (shared width
+    `num_shared_experts * moe_intermediate_size`, absent when 0).
+
+    `router_aux_loss_coef` is carried for the trainer (the model returns the raw aux loss).
+    `moe_dispatch`: "dense" (every expert on every token; the readable reference) or "sorted"
+    (tokens sorted by expert, `jax.lax.ragged_dot`); both give the same numbers.
+    `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
+    """
+
+    model_type: str  # "qwen3_moe" | "glm4_moe": which Hugging Face family this maps to
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int  # width of the dense (non-MoE) MLP layers
+    rope_theta: float = 10000.0
+    partial_rotary_factor: float = 1.0  # fraction of head_dim that is rotated (its first dims)
+    qk_norm: bool = True  # RMSNorm over head_dim on q and k before RoPE
+    attention_bias: bool = False  # bias on q, k, v projections
+    o_proj_bias: bool = False  # bias on the output projection
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    # mixture of experts
+    num_experts: int = 0
+    num_experts_per_token: int = 1
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    norm_topk_prob: bool = True
+    router_scoring: str = "softmax"
+    router_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    num_expert_groups: int = 1
+    num_selected_groups: int = 1
+    first_dense_layers: int = 0
+    dense_layers: tuple[int, ...] = ()
+    moe_layer_step: int = 1
+    router_aux_loss_coef: float = 0.0
+    num_mtp_layers: int = 0  # GLM multi-token-prediction layers: stored in checkpoints, unused here
+    # computation
+    moe_dispatch: str = "sorted"
+    dtype: str = "float32"
+    param_dtype: str = "float32"
+
+    def __post_init__(self):
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise ModelConfigError(f"ModelConfig.{name} must be >= 1 (got {getattr(self, name)})")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"ModelConfig.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.rotary_dim % 2 or self.rotary_dim < 2:
+            raise ModelConfigError(
+                f"ModelConfig.partial_rotary_factor * head_dim must be an even number >= 2 "
+                f"(got {self.partial_rotary_factor} * {self.head_dim})"
+            )
+        _check_choice("router_scoring", self.router_scoring, ROUTER_SCORINGS)
+        _check_choice("moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("param_dtype", self.param_dtype, DTYPES)
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_token <= self.num_experts:
+                raise ModelConfigError(
+                    f"ModelConfig.num_experts_per_token must be in [1, num_experts={self.num_experts}] "
+                    f"(got {self.num_experts_per_token})"
+                )
+            if self.moe_intermediate_size < 1:
+                raise ModelConfigError("ModelConfig.moe_intermediate_size must be >= 1 when num_experts > 0")
+            if self.num_experts % self.num_expert_groups:
+                raise ModelConfigError(
+                    f"ModelConfig.num_experts ({self.num_experts}) must be a multiple of "
+                    f"num_expert_groups ({self.num_expert_groups})"
+                )
+            if not 1 <= self.num_selected_groups <= self.num_expert_groups:
+                raise ModelConfigError(
+                    f"ModelConfig.num_selected_groups must be in [1, num_expert_groups={self.num_expert_groups}] "
+                    f"(got {self.num_selected_groups})"
+                )
+            if self.num_expert_groups > 1 and self.num_experts // self.num_expert_groups < 2:
+                raise ModelConfigError("ModelConfig: group-limited routing needs >= 2 experts per group")
+        if self.moe_layer_step < 1:
+            raise ModelConfigError(f"ModelConfig.moe_layer_step must be >= 1 (got {self.moe_layer_step})")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Number of leading head dims that RoPE rotates (HF: int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def compute_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def weight_dtype(self):
+        return DTYPES[self.param_dtype]
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer >= self.first_dense_layers
+            and layer not in self.dense_layers
+            and (layer + 1) % self.moe_layer_step == 0
+        )
+
+    def replace(self, **changes) -> ModelConfig:
+        """A copy with `changes`; an unknown field name is an error naming the closest field."""
+        fields = {f.name for f in dataclasses.fields(self)}
+        for key in changes:
+            if key not in fields:
+                raise ModelConfigError(f"ModelConfig has no field {key!r}{_did_you_mean(key, fields)}")
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], **overrides) -> ModelConfig:
+        """Our config from a Hugging Face `config.json` dict; `overrides` set our own fields (dtype, ...).
+
+        Keys missing from `hf` take the defaults of the transformers 4.57.1 config class.
+        """
+        model_type = hf.get("model_type")
+        if model_type not in _FAMILIES:
+            raise ModelConfigError(
+                f"unsupported model_type {model_type!r} in config.json; supported: {sorted(_FAMILIES)}"
+            )
+        hf = {**_FAMILIES[model_type].defaults, **hf}
+        if hf["hidden_act"] != "silu":
+            raise ModelConfigError(f"config.json hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
+        if hf.get("rope_scaling") is not None:
+            raise ModelConfigError(f"config.json rope_scaling={hf['rope_scaling']!r} is not supported (only None)")
+        if hf.get("use_sliding_window"):
+            raise ModelConfigError("config.json use_sliding_window=true is not supported")
+        common = dict(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=hf["num_attention_heads"],
+            num_kv_heads=hf["num_key_value_heads"],
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            intermediate_size=hf["intermediate_size"],
+            rope_theta=float(hf["rope_theta"]),
+            rms_norm_eps=float(hf["rms_norm_eps"]),
+            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
+            max_position_embeddings=hf["max_position_embeddings"],
+            initializer_range=float(hf["initializer_range"]),
+            attention_bias=bool(hf["attention_bias"]),
+            moe_intermediate_size=hf["moe_intermediate_size"],
+            num_experts_per_token=hf["num_experts_per_tok"],
+            norm_topk_prob=bool(hf["norm_topk_prob"]),
+        )
+        return cls(**common, **_FAMILIES[model_type].from_hf(hf)).replace(**overrides)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The Hugging Face `config.json` dict (with `architectures`) that transformers 4.57.1 loads."""
+        family = _FAMILIES[self.model_type]
+        hf = dict(
+            architectures=[family.architecture],
+            model_type=self.model_type,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            hidden_act="silu",
+            rope_theta=self.rope_theta,
+            rope_scaling=None,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range,
+            attention_bias=self.attention_bias,
+            moe_intermediate_size=self.moe_intermediate_size,
+            num_experts_per_tok=self.num_experts_per_token,
+            norm_topk_prob=self.norm_topk_prob,
+            torch_dtype=self.param_dtype,
+        )
+        return {**hf, **family.to_hf(self)}
+
+
+def _check_choice(name: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ModelConfigError(f"ModelConfig.{name} must be one of {sorted(choices)} (got {value!r})")
+
+
+def _did_you_mean(key: str, names) -> str:
+    close = difflib.get_close_matches(key, sorted(names), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _require(config: ModelConfig, model_type: str, **expected) -> None:
+    """Raise if `config` uses a feature that `model_type`'s config.json cannot express."""
+    for name, value in expected.items():
+        if getattr(config, name) != value:
+            raise ModelConfigError(
+                f"ModelConfig.{name}={getattr(config, name)!r} cannot be written as a {model_type} "
+                f"config.json (it needs {value!r})"
+            )
+
+
+# --- the two families: defaults of the transformers 4.57.1 config classes, and field translation ---
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    architecture: str
+    defaults: dict[str, Any]
+    from_hf: Any  # hf dict (with defaults) -> our family-specific fields
+    to_hf: Any  # ModelConfig -> family-specific hf keys
+
+
+def _qwen3_moe_from_hf(hf):
+    return dict(
+        num_experts=hf["num_experts"],
+        router_scoring="softmax",
+        qk_norm=True,
+        o_proj_bias=bool(hf["attention_bias"]),
+        dense_layers=tuple(hf["mlp_only_layers"] or ()),
+        moe_layer_step=hf["decoder_sparse_step"],
+        router_aux_loss_coef=float(hf["router_aux_loss_coef"]),
+    )
+
+
+def _qwen3_moe_to_hf(c: ModelConfig):
+    _require(
+        c, "qwen3_moe", router_scoring="softmax", router_correction_bias=False, num_shared_experts=0,
+        routed_scaling_factor=1.0, num_expert_groups=1, num_selected_groups=1, first_dense_layers=0,
+        partial_rotary_factor=1.0, qk_norm=True, o_proj_bias=c.attention_bias, num_mtp_layers=0,
+    )  # fmt: skip
+    return dict(
+        num_experts=c.num_experts,
+        mlp_only_layers=list(c.dense_layers),
+        decoder_sparse_step=c.moe_layer_step,
+        router_aux_loss_coef=c.router_aux_loss_coef,
+        use_sliding_window=False,
+    )
+
+
+def _glm4_moe_from_hf(hf):
+    return dict(
+        num_experts=hf["n_routed_experts"],
+        router_scoring="sigmoid",
+        router_correction_bias=True,
+        num_shared_experts=hf["n_shared_experts"],
+        routed_scaling_factor=float(hf["routed_scaling_factor"]),
+        num_expert_groups=hf["n_group"],
+        num_selected_groups=hf["topk_group"],
+        first_dense_layers=hf["first_k_dense_replace"],
+        partial_rotary_factor=float(hf["partial_rotary_factor"]),
+        qk_norm=bool(hf["use_qk_norm"]),
+        o_proj_bias=False,
+        num_mtp_layers=hf.get("num_nextn_predict_layers", 0),
+    )
+
+
+def _glm4_moe_to_hf(c: ModelConfig):
+    _require(
+        c, "glm4_moe", router_scoring="sigmoid", router_correction_bias=True, dense_layers=(),
+        moe_layer_step=1, o_proj_bias=False,
+    )  # fmt: skip
+    if c.num_shared_experts < 1:
+        raise ModelConfigError("ModelConfig.num_shared_experts must be >= 1 for glm4_moe (HF always builds them)")
+    return dict(
+        n_routed_experts=c.num_experts,
+        n_shared_experts=c.num_shared_experts,
+        routed_scaling_factor=c.routed_scaling_factor,
+        n_group=c.num_expert_groups,
+        topk_group=c.num_selected_groups,
+        first_k_dense_replace=c.first_dense_layers,
+        partial_rotary_factor=c.partial_rotary_factor,
+        use_qk_norm=c.qk_norm,
+        num_nextn_predict_layers=c.num_mtp_layers,
+    )
+
+
+_FAMILIES = {
+    "qwen3_moe": _Family(
+        architecture="Qwen3MoeForCausalLM",
+        defaults=dict(
+            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+            num_attention_heads=32, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768,
+            initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+            rope_scaling=None, attention_bias=False, use_sliding_window=False, decoder_sparse_step=1,
+            moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=False,
+            router_aux_loss_coef=0.001, mlp_only_layers=None,
+        ),  # fmt: skip
+        from_hf=_qwen3_moe_from_hf,
+        to_hf=_qwen3_moe_to_hf,
+    ),
+    "glm4_moe": _Family(
+        architecture="Glm4MoeForCausalLM",
+        defaults=dict(
+            vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
+            num_attention_heads=96, partial_rotary_factor=0.5, num_key_value_heads=8, hidden_act="silu",
+            max_position_embeddings=131072, initializer_range=0.02, rms_norm_eps=1e-5,
+            tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
+            moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=128,
+            routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
+            use_qk_norm=False,
+        ),  # fmt: skip
+        from_hf=_glm4_moe_from_hf,
+        to_hf=_glm4_moe_to_hf,
+    ),
+}
+
+
+# --- presets -------------------------------------------------------------------------------------
+
+
+def tiny_qwen3_moe(**overrides) -> ModelConfig:
+    """A few-thousand-parameter Qwen3-MoE for tests: layer 0 dense, layer 1 MoE (4 experts, top 2)."""
+    config = ModelConfig(
+        model_type="qwen3_moe", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+        head_dim=8, intermediate_size=48, rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=256,
+        num_experts=4, num_experts_per_token=2, moe_intermediate_size=16, norm_topk_prob=True,
+        dense_layers=(0,), router_aux_loss_coef=0.001,
+    )  # fmt: skip
+    return config.replace(**overrides)
+
+
+def tiny_glm4_moe(**overrides) -> ModelConfig:
+    """A tiny GLM-4.5-MoE for tests: layer 0 dense, layers 1-2 MoE (8 experts in 4 groups, top 2,
+    1 shared expert), partial rotary 0.5, q/k norm, attention bias, routed scaling 2.5."""
+    config = ModelConfig(
+        model_type="glm4_moe", vocab_size=97, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+        head_dim=16, intermediate_size=48, rope_theta=10000.0, partial_rotary_factor=0.5, qk_norm=True,
+        attention_bias=True, rms_norm_eps=1e-5, max_position_embeddings=256, num_experts=8,
+        num_experts_per_token=2, moe_intermediate_size=16, num_shared_experts=1, norm_topk_prob=True,
+        router_scoring="sigmoid", router_correction_bias=True, routed_scaling_factor=2.5,
+        num_expert_groups=4, num_selected_groups=2, first_dense_layers=1,
+    )  # fmt: skip
+    return config.replace(**overrides)
+
+
+def cpu_moe(vocab_size: int = 128, **overrides) -> ModelConfig:
+    """The main job's model on 2 CPU cores (~1.4M parameters, ~0.5M active per token):
+    Qwen3-style, 4 layers of width 128, 8 experts of width 96 with top-2 routing. Dense dispatch:
+    on CPU, XLA lowers `ragged_dot` to a masked dense matmul, k times the dense dispatch's work."""
+    config = ModelConfig(
+        model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=128, num_layers=4, num_heads=4,
+        num_kv_heads=2, head_dim=32, intermediate_size=256, rope_theta=10000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=2048, tie_word_embeddings=True, num_experts=8, num_experts_per_token=2,
+        moe_intermediate_size=96, norm_topk_prob=True, router_aux_loss_coef=0.01, moe_dispatch="dense",
+    )  # fmt: skip
+    return config.replace(**overrides)
+
+
+def qwen3_30b_a3b(**overrides) -> ModelConfig:
+    """Shapes of Qwen/Qwen3-30B-A3B (its config.json). For memory plans; too big to build in tests."""
+    config = ModelConfig(
+        model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_layers=48, num_heads=32,
+        num_kv_heads=4, head_dim=128, intermediate_size=6144, rope_theta=1_000_000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, num_experts=128, num_experts_per_token=8, moe_intermediate_size=768,
+        norm_topk_prob=True, router_aux_loss_coef=0.001, dtype="bfloat16", param_dtype="bfloat16",
+    )  # fmt: skip
+    return config.replace(**overrides)
+
+
+def glm45_air(**overrides) -> ModelConfig:
+    """Shapes of zai-org/GLM-4.5-Air (its config.json). For memory plans; too big to build in tests."""
+    config = ModelConfig(
+        model_type="glm4_moe", vocab_size=151552, hidden_size=4096, num_layers=46, num_heads=96,
+        num_kv_heads=8, head_dim=128, intermediate_size=10944, rope_theta=1_000_000.0,
+        partial_rotary_factor=0.5, qk_norm=False, attention_bias=True, rms_norm_eps=1e-5,
+        max_position_embeddings=131072, num_experts=128, num_experts_per_token=8, moe_intermediate_size=1408,
+        num_shared_experts=1, norm_topk_prob=True, router_scoring="sigmoid", router_correction_bias=True,
+        routed_scaling_factor=1.0, num_expert_groups=1, num_selected_groups=1, first_dense_layers=1,
+        num_mtp_layers=1, dtype="bfloat16", param_dtype="bfloat16",
+    )  # fmt: skip
+    return config.replace(**overrides)
+
+
+# --- parameter counts ----------------------------------------------------------------------------
+
+
+def param_count(config: ModelConfig, *, active: bool = False, kind: str = "policy") -> int:
+    """Number of trained parameters of a Policy (`kind="policy"`) or Critic (`kind="critic"`).
+
+    `active=True` counts only what one token uses: `num_experts_per_token` routed experts instead of
+    all `num_experts` (the count behind "A3B" and behind MFU's 6·N_active·tokens). Buffers such as
+    `e_score_correction_bias` are not parameters and are not counted.
+    """
+    if kind not in ("policy", "critic"):
+        raise ModelConfigError(f"param_count kind must be 'policy' or 'critic' (got {kind!r})")
+    d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+    attention = d * h * hd + 2 * d * kv * hd + h * hd * d
+    attention += (h * hd + 2 * kv * hd) * config.attention_bias + d * config.o_proj_bias + 2 * hd * config.qk_norm
+    experts_used = config.num_experts_per_token if active else config.num_experts
+    moe = (
+        d * config.num_experts  # router
+        + experts_used * 3 * d * config.moe_intermediate_size
+        + config.num_shared_experts * 3 * d * config.moe_intermediate_size
+    )
+    dense = 3 * d * config.intermediate_size
+    layers = sum(
+        2 * d + attention + (moe if config.is_moe_layer(i) else dense) for i in range(config.num_layers)
+    )
+    total = config.vocab_size * d + layers + d  # embedding, layers, final norm
+    if kind == "critic":
+        return total + d + 1  # value head kernel and bias
+    return total + (0 if config.tie_word_embeddings else config.vocab_size * d)

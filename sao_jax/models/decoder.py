@@ -1,0 +1,171 @@
+"""The decoder-only MoE transformer, the Policy (decoder + LM head) and the Critic (decoder + value head).
+
+Parameter paths (the optimizer selects by them): `embed/embedding`, `layers/<i>/input_norm/scale`,
+`layers/<i>/attn/{q,k,v,o}_proj/{kernel,bias}`, `layers/<i>/attn/{q,k}_norm/scale`,
+`layers/<i>/post_attn_norm/scale`, MoE layers `layers/<i>/mlp/router/kernel` (+ the non-Param buffer
+`layers/<i>/mlp/router/e_score_correction_bias`), `layers/<i>/mlp/experts/{gate,up,down}_proj`,
+`layers/<i>/mlp/shared_experts/{gate,up,down}_proj`; dense layers `layers/<i>/mlp/{gate,up,down}_proj`;
+`final_norm/scale`; `lm_head/kernel` (Policy, untied only); `value_head/{kernel,bias}` (Critic).
+
+Calling convention (Policy and Critic alike):
+  model(input_ids, positions=None, attention_mask=None) -> logits [batch, time, vocab] float32 (Policy)
+                                                       or values [batch, time] float32 (Critic)
+  model.forward(input_ids, positions=None, attention_mask=None, cache=None) -> (out, cache, aux_loss)
+with `aux_loss` the router load-balancing loss averaged over MoE layers (0 without MoE layers; the
+trainer scales it by `config.router_aux_loss_coef`) and `cache` a `KVCache` (None in, None out).
+`attention_mask` marks real tokens (1) vs padding (0); padding ids are ignored. Default `positions`:
+the number of earlier real tokens of the sequence (+ the cache length), so left or right padding
+does not shift positions. For a KV-cache forward, see `KVCache`: prefill a padded chunk, decode
+[batch, 1] steps (mask 0 for finished sequences), prefill more tokens (an observation), resume.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sao_jax.models.config import ModelConfig
+from sao_jax.models.layers import Attention, AttentionLayout, KVCache, RMSNorm, normal_param, param
+from sao_jax.models.moe import FeedForward, MoE
+from sao_jax.models.sharding import with_logical_constraint
+
+
+class Embedding(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.embedding = normal_param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"), config)
+
+    def __call__(self, input_ids: jax.Array, dtype) -> jax.Array:
+        return jnp.take(self.embedding[...], input_ids, axis=0).astype(dtype)
+
+
+class DecoderLayer(nnx.Module):
+    """x + Attn(RMSNorm(x)), then h + MLP(RMSNorm(h)); MLP is MoE or dense per `config.is_moe_layer`."""
+
+    def __init__(self, config: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        self.is_moe = config.is_moe_layer(layer)
+        self.input_norm = RMSNorm(config.hidden_size, config)
+        self.attn = Attention(config, rngs=rngs)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config)
+        self.mlp = MoE(config, rngs=rngs) if self.is_moe else FeedForward(config, config.intermediate_size, rngs=rngs)
+
+    def __call__(self, x, positions, token_mask, layout, cache_kv):
+        """Returns (x [batch, time, embed], updated cache (keys, values) or None, aux loss or None)."""
+        attn_out, cache_kv = self.attn(self.input_norm(x), positions, layout, cache_kv)
+        h = x + attn_out
+        if self.is_moe:
+            mlp_out, aux = self.mlp(self.post_attn_norm(h), token_mask)
+        else:
+            mlp_out, aux = self.mlp(self.post_attn_norm(h)), None
+        return h + mlp_out, cache_kv, aux
+
+
+class Decoder(nnx.Module):
+    """Token embedding, `layers`, final RMSNorm: the trunk that Policy and Critic share."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.config = config
+        self.embed = Embedding(config, rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
+        self.final_norm = RMSNorm(config.hidden_size, config)
+
+    def hidden_states(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
+        """Final-normed hidden states [batch, time, embed] (compute dtype), updated cache, aux loss.
+
+        The aux loss is the mean over MoE layers of each layer's `load_balancing_loss` (transformers
+        instead pools all layers' tokens into one f and P; the two agree for a single MoE layer)."""
+        token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
+        input_ids = jnp.where(token_mask, input_ids, 0)  # padding ids may be anything, even -1
+        lengths = None if cache is None else cache.lengths
+        if positions is None:
+            earlier_real = jnp.cumsum(token_mask, axis=1) - 1
+            positions = jnp.maximum(earlier_real if lengths is None else lengths[:, None] + earlier_real, 0)
+        layout = AttentionLayout.build(token_mask, lengths, None if cache is None else cache.max_len)
+        x = self.embed(input_ids, self.config.compute_dtype)
+        new_keys, new_values, aux_losses = [], [], []
+        for i, layer in enumerate(self.layers):
+            cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
+            x, cache_kv, aux = layer(x, positions, token_mask, layout, cache_kv)
+            x = with_logical_constraint(x, ("batch", "length", "embed"))
+            if cache_kv is not None:
+                new_keys.append(cache_kv[0])
+                new_values.append(cache_kv[1])
+            if aux is not None:
+                aux_losses.append(aux)
+        if cache is not None:
+            cache = KVCache(keys=tuple(new_keys), values=tuple(new_values),
+                            lengths=cache.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32))  # fmt: skip
+        aux_loss = jnp.mean(jnp.stack(aux_losses)) if aux_losses else jnp.zeros((), jnp.float32)
+        return self.final_norm(x), cache, aux_loss
+
+    def init_cache(self, batch_size: int, max_len: int) -> KVCache:
+        """An empty KV cache for this model (see `KVCache`)."""
+        return KVCache.init(self.config, batch_size, max_len)
+
+
+class Policy(Decoder):
+    """Decoder + LM head; `policy(input_ids, positions=None, attention_mask=None)` -> float32 logits.
+    With `tie_word_embeddings` the head is the transposed token embedding and `lm_head` is absent."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        if not config.tie_word_embeddings:
+            self.lm_head = LMHead(config, rngs=rngs)
+
+    def forward(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
+        """(logits float32 [batch, time, vocab], cache, aux_loss); see the module docstring."""
+        hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache)
+        if self.config.tie_word_embeddings:
+            kernel = self.embed.embedding[...].T
+        else:
+            kernel = self.lm_head.kernel[...]
+        logits = jnp.einsum("btd,dv->btv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
+        return logits, cache, aux_loss
+
+    def __call__(self, input_ids, positions=None, attention_mask=None) -> jax.Array:
+        return self.forward(input_ids, positions, attention_mask)[0]
+
+
+class LMHead(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        self.kernel = normal_param(rngs, (config.hidden_size, config.vocab_size), ("embed", "vocab"), config)
+
+
+class ValueHead(nnx.Module):
+    """v = h·kernel + bias in float32. kernel ~ N(0, initializer_range²), bias 0: a fresh critic
+    predicts values near 0, and the trunk gets gradient from the first step."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        kernel = config.initializer_range * jax.random.normal(rngs.params(), (config.hidden_size,), jnp.float32)
+        self.kernel = param(kernel, ("embed",))
+        self.bias = param(jnp.zeros((), jnp.float32), ())
+
+    def __call__(self, hidden: jax.Array) -> jax.Array:
+        return hidden.astype(jnp.float32) @ self.kernel[...] + self.bias[...]
+
+
+class Critic(Decoder):
+    """Decoder + scalar value head per token; `critic(input_ids, ...)` -> values [batch, time] float32."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        super().__init__(config, rngs=rngs)
+        self.value_head = ValueHead(config, rngs=rngs)
+
+    @classmethod
+    def from_policy(cls, policy: Policy, *, rngs: nnx.Rngs) -> Critic:
+        """A critic whose decoder (embed, layers, final_norm) is a copy of `policy`'s and whose value
+        head is fresh (from `rngs`). The copy owns its arrays, so donating either model's buffers is safe."""
+        critic = nnx.eval_shape(lambda: cls(policy.config, rngs=nnx.Rngs(0)))
+        for name in ("embed", "layers", "final_norm"):
+            state = jax.tree.map(jnp.copy, nnx.state(getattr(policy, name)))
+            nnx.update(getattr(critic, name), state)
+        critic.value_head = ValueHead(policy.config, rngs=rngs)
+        return critic
+
+    def forward(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
+        """(values float32 [batch, time], cache, aux_loss); see the module docstring."""
+        hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache)
+        return self.value_head(hidden), cache, aux_loss
+
+    def __call__(self, input_ids, positions=None, attention_mask=None) -> jax.Array:
+        return self.forward(input_ids, positions, attention_mask)[0]

@@ -1,0 +1,212 @@
+"""Building blocks of the decoder: parameters with logical axes, RMSNorm, RoPE, GQA attention, KV cache.
+
+Every parameter carries its logical axis names as `out_sharding` metadata ("vocab", "embed", "heads",
+"kv_heads", "head_dim", "mlp", "expert", or None = replicated); `sao_jax.models.sharding` maps them to
+mesh axes. Parameters are created with `eager_sharding=False`, so building a model needs no mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sao_jax.models.config import ModelConfig
+
+# Additive mask value for disallowed attention logits: finite, so a fully masked row (a padding query)
+# gives a uniform softmax instead of NaN.
+_MASKED_LOGIT = -1e30
+
+
+def param(value: jax.Array, axes: Sequence[str | None]) -> nnx.Param:
+    """A trained parameter annotated with one logical axis name per dimension."""
+    if len(axes) != value.ndim:
+        raise ValueError(f"{len(axes)} logical axes {tuple(axes)} for a parameter of shape {value.shape}")
+    return nnx.Param(value, out_sharding=tuple(axes), eager_sharding=False)
+
+
+def normal_param(rngs: nnx.Rngs, shape, axes, config: ModelConfig) -> nnx.Param:
+    """N(0, initializer_range²) initialisation, as the Hugging Face models do for Linear/Embedding."""
+    value = config.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
+    return param(value.astype(config.weight_dtype), axes)
+
+
+def zeros_param(shape, axes, config: ModelConfig) -> nnx.Param:
+    return param(jnp.zeros(shape, config.weight_dtype), axes)
+
+
+class RMSNorm(nnx.Module):
+    """y = scale · x / sqrt(mean(x²) + eps), normalised in float32 (as HF), then cast back."""
+
+    def __init__(self, size: int, config: ModelConfig):
+        self.scale = param(jnp.ones((size,), config.weight_dtype), (None,))
+        self.eps = config.rms_norm_eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (self.scale[...] * normed.astype(x.dtype)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
+    """Rotary position embedding on the first `rotary_dim` dims of each head ("rotate half" layout).
+
+    With inv_freq_i = theta^(-2i/rotary_dim), i < rotary_dim/2, angle a_i = position · inv_freq_i and
+    x = [x1, x2, x_pass] (x1, x2 the two halves of the rotated part):
+      y = [x1 cos a − x2 sin a,  x2 cos a + x1 sin a,  x_pass]
+    x: [batch, time, heads, head_dim]; positions: int [batch, time]. Angles in float32.
+    """
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, time, rotary_dim/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    half = rotary_dim // 2
+    x1 = x[..., :half].astype(jnp.float32)
+    x2 = x[..., half:rotary_dim].astype(jnp.float32)
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Keys and values of every layer for incremental decoding, and how many slots each sequence fills.
+
+    keys[l], values[l]: [batch, max_len, kv_heads, head_dim] (after q/k norm and RoPE).
+    lengths: int32 [batch], slots 0..lengths[b]-1 of sequence b hold its tokens so far, compacted:
+    padding tokens are never written, so slot = position (the number of earlier real tokens).
+
+    A forward over a chunk `input_ids [batch, time]` with `attention_mask [batch, time]` writes the
+    real tokens of sequence b to slots lengths[b], lengths[b]+1, ... and returns the cache with
+    lengths[b] += (number of real tokens of b). Sequences may advance by different amounts in one
+    call (prompts of different lengths; an observation chunk; a decode step where some are done).
+    Writes past `max_len` are dropped silently: size the cache for the longest sequence.
+    """
+
+    keys: tuple[jax.Array, ...]
+    values: tuple[jax.Array, ...]
+    lengths: jax.Array
+
+    @classmethod
+    def init(cls, config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+        """An empty cache (all lengths 0); `dtype` defaults to the config's compute dtype."""
+        dtype = dtype or config.compute_dtype
+        shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
+        zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+        return cls(keys=zeros, values=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
+
+    @property
+    def max_len(self) -> int:
+        return self.keys[0].shape[1]
+
+
+@flax.struct.dataclass
+class AttentionLayout:
+    """Where a chunk's tokens sit and what each may attend to; computed once, shared by all layers.
+
+    allowed: bool [batch, time, keys]: query t may attend key s.
+    write_slots: int [batch, time] cache slot of each token (max_len for padding: dropped), or None
+    without a cache.
+    """
+
+    allowed: jax.Array
+    write_slots: jax.Array | None
+
+    @staticmethod
+    def build(token_mask: jax.Array, lengths: jax.Array | None, max_len: int | None) -> AttentionLayout:
+        """Causal attention over real tokens, over the chunk itself or over a cache.
+
+        Without a cache: query t sees key s iff s <= t and token s is real.
+        With a cache: a real token gets slot lengths + (number of earlier real tokens in the chunk);
+        query with slot q sees cache slot s iff s <= q and s < the updated length.
+        """
+        time = token_mask.shape[1]
+        if lengths is None:
+            index = jnp.arange(time)
+            causal = index[None, :] <= index[:, None]  # [time(query), time(key)]
+            return AttentionLayout(allowed=causal[None] & token_mask[:, None, :], write_slots=None)
+        query_slots = lengths[:, None] + jnp.cumsum(token_mask, axis=1) - 1  # [batch, time]
+        new_lengths = lengths + jnp.sum(token_mask, axis=1)
+        key_slots = jnp.arange(max_len)
+        allowed = (key_slots[None, None, :] <= query_slots[:, :, None]) & (
+            key_slots[None, None, :] < new_lengths[:, None, None]
+        )
+        write_slots = jnp.where(token_mask, query_slots, max_len)
+        return AttentionLayout(allowed=allowed, write_slots=write_slots)
+
+
+def dot_product_attention(q, k, v, allowed):
+    """softmax(q·kᵀ / sqrt(head_dim) masked by `allowed`) · v with grouped-query heads.
+
+    q: [batch, time, heads, head_dim]; k, v: [batch, keys, kv_heads, head_dim]; query head h uses
+    kv head h // (heads / kv_heads). Logits and softmax in float32.
+    """
+    batch, time, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    q = q.reshape(batch, time, kv_heads, heads // kv_heads, head_dim)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
+    logits = jnp.where(allowed[:, None, None], logits, _MASKED_LOGIT)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+    return out.reshape(batch, time, heads, head_dim)
+
+
+class Projection(nnx.Module):
+    """y = einsum(x, kernel) (+ bias): a Linear layer whose kernel keeps heads as their own axis."""
+
+    def __init__(self, equation, kernel_shape, kernel_axes, bias_shape, bias_axes, config, rngs):
+        self.equation = equation
+        self.kernel = normal_param(rngs, kernel_shape, kernel_axes, config)
+        self.bias = zeros_param(bias_shape, bias_axes, config) if bias_shape else None
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = jnp.einsum(self.equation, x, self.kernel[...].astype(x.dtype))
+        return y if self.bias is None else y + self.bias[...].astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Grouped-query causal self-attention with optional per-head q/k RMSNorm and (partial) RoPE."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        d, h, kv, hd = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        qkv_bias = config.attention_bias
+        self.q_proj = Projection(
+            "btd,dhk->bthk", (d, h, hd), ("embed", "heads", "head_dim"),
+            (h, hd) if qkv_bias else None, ("heads", "head_dim"), config, rngs,
+        )  # fmt: skip
+        self.k_proj = Projection(
+            "btd,dhk->bthk", (d, kv, hd), ("embed", "kv_heads", "head_dim"),
+            (kv, hd) if qkv_bias else None, ("kv_heads", "head_dim"), config, rngs,
+        )  # fmt: skip
+        self.v_proj = Projection(
+            "btd,dhk->bthk", (d, kv, hd), ("embed", "kv_heads", "head_dim"),
+            (kv, hd) if qkv_bias else None, ("kv_heads", "head_dim"), config, rngs,
+        )  # fmt: skip
+        self.o_proj = Projection(
+            "bthk,hkd->btd", (h, hd, d), ("heads", "head_dim", "embed"),
+            (d,) if config.o_proj_bias else None, ("embed",), config, rngs,
+        )  # fmt: skip
+        self.q_norm = RMSNorm(hd, config) if config.qk_norm else None
+        self.k_norm = RMSNorm(hd, config) if config.qk_norm else None
+        self.rotary_dim = config.rotary_dim
+        self.rope_theta = config.rope_theta
+
+    def __call__(self, x, positions, layout: AttentionLayout, cache_kv=None):
+        """x: [batch, time, embed]; positions: int [batch, time]. With `cache_kv = (keys, values)`
+        of this layer, the chunk's keys/values are written at `layout.write_slots` and attention runs
+        over the whole cache. Returns (output [batch, time, embed], updated (keys, values) or None)."""
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
+        k = apply_rope(k, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
+        if cache_kv is not None:
+            batch_index = jnp.arange(x.shape[0])[:, None]
+            cache_k, cache_v = cache_kv
+            k = cache_k.at[batch_index, layout.write_slots].set(k.astype(cache_k.dtype), mode="drop")
+            v = cache_v.at[batch_index, layout.write_slots].set(v.astype(cache_v.dtype), mode="drop")
+            cache_kv = (k, v)
+        out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
+        return self.o_proj(out), cache_kv

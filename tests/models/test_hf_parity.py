@@ -1,0 +1,152 @@
+"""Our decoder against transformers 4.57.1 (torch, CPU, float32) on tiny random Qwen3-MoE / GLM-4.5-MoE.
+
+Each case builds a randomly initialised HF model from a config dict (random norm weights, biases and
+GLM routing-correction biases, so nothing is at its neutral value), saves it, loads it with
+`from_pretrained`, compares logits on a padded batch, then saves ours back and loads it with
+transformers.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax.models import ModelConfig, from_pretrained, param_count, save_pretrained
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+COMMON = dict(
+    vocab_size=101, hidden_size=48, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, moe_intermediate_size=24, rope_theta=10000.0, initializer_range=0.1,
+    max_position_embeddings=64,
+)  # fmt: skip
+
+CASES = {
+    # layer 0 dense (mlp_only_layers), layers 1-2 MoE, untied head; HF writes shards.
+    "qwen3_moe_untied": dict(
+        COMMON, model_type="qwen3_moe", num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False, rms_norm_eps=1e-6,
+    ),  # fmt: skip
+    # decoder_sparse_step=2: only layer 1 is MoE; top-3 without renormalisation; q/k/v/o biases; tied.
+    "qwen3_moe_tied_bias": dict(
+        COMMON, model_type="qwen3_moe", num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
+        norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True, tie_word_embeddings=True,
+        rms_norm_eps=1e-6,
+    ),  # fmt: skip
+    # group-limited sigmoid routing (4 groups, keep 2), shared expert, partial rotary, q/k norm, bias.
+    "glm4_moe_groups": dict(
+        COMMON, model_type="glm4_moe", num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5,
+        use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True,
+        tie_word_embeddings=False, rms_norm_eps=1e-5,
+    ),  # fmt: skip
+    # no q/k norm, no renormalisation, two shared experts, tied head.
+    "glm4_moe_tied": dict(
+        COMMON, model_type="glm4_moe", num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
+        n_shared_experts=2, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=False,
+        attention_bias=True, norm_topk_prob=False, tie_word_embeddings=True, rms_norm_eps=1e-5,
+    ),  # fmt: skip
+}
+HF_SHARDED = {"qwen3_moe_untied", "glm4_moe_groups"}  # transformers writes these as several shards
+
+BATCH, TIME = 3, 9
+# row 0: no padding; row 1: 3 padding tokens on the right; row 2: 2 on the left
+ATTENTION_MASK = np.ones((BATCH, TIME), np.int64)
+ATTENTION_MASK[1, -3:] = 0
+ATTENTION_MASK[2, :2] = 0
+
+
+def _randomize(model, seed):
+    """Move every norm weight, bias and routing-correction bias away from its neutral init."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.endswith("norm.weight"):
+                tensor.copy_(0.5 + torch.rand(tensor.shape, generator=generator))
+            elif name.endswith(".bias") or name.endswith("e_score_correction_bias"):
+                tensor.copy_(0.2 * torch.randn(tensor.shape, generator=generator))
+
+
+def _hf_logits(model, input_ids):
+    # transformers' own positions for a padded batch (as in `generate`): count of earlier real tokens
+    position_ids = np.maximum(np.cumsum(ATTENTION_MASK, axis=1) - 1, 0)
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(input_ids),
+            attention_mask=torch.tensor(ATTENTION_MASK),
+            position_ids=torch.tensor(position_ids),
+        )
+    return out.logits.numpy()
+
+
+def _assert_logits_close(ours, reference):
+    real = ATTENTION_MASK.astype(bool)
+    scale = np.max(np.abs(reference[real]))
+    np.testing.assert_allclose(ours[real], reference[real], rtol=1e-4, atol=1e-4 * scale)
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    """(name, HF model, its folder, our loaded policy, jitted forward, input ids, HF logits)."""
+    name = request.param
+    hf_config = transformers.AutoConfig.for_model(**CASES[name])
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config, attn_implementation="eager").eval()
+    _randomize(hf_model, seed=1)
+    folder = tmp_path_factory.mktemp(name)
+    hf_model.save_pretrained(folder, max_shard_size="40KB" if name in HF_SHARDED else "1GB")
+    input_ids = np.random.default_rng(2).integers(0, hf_config.vocab_size, (BATCH, TIME))
+    policy = from_pretrained(folder)
+    graphdef, _ = nnx.split(policy)
+    forward = jax.jit(lambda state, ids, mask: nnx.merge(graphdef, state)(ids, attention_mask=mask))
+    return name, hf_model, folder, policy, forward, input_ids, _hf_logits(hf_model, input_ids)
+
+
+def test_from_pretrained_logits_match_transformers(case):
+    name, _, folder, policy, forward, input_ids, hf_logits = case
+    if name in HF_SHARDED:
+        assert (folder / "model.safetensors.index.json").exists()  # the sharded path was exercised
+    ours = np.asarray(forward(nnx.state(policy), jnp.asarray(input_ids), jnp.asarray(ATTENTION_MASK)))
+    assert ours.dtype == np.float32 and ours.shape == hf_logits.shape
+    _assert_logits_close(ours, hf_logits)
+    if name.startswith("glm4"):
+        # the match is only meaningful if the random e_score_correction_bias changes expert choice
+        unbiased = nnx.clone(policy)
+        for layer in unbiased.layers:
+            if layer.is_moe:
+                bias = layer.mlp.router.e_score_correction_bias
+                bias.set_value(jnp.zeros_like(bias.get_value()))
+        ours = np.asarray(forward(nnx.state(unbiased), jnp.asarray(input_ids), jnp.asarray(ATTENTION_MASK)))
+        real = ATTENTION_MASK.astype(bool)
+        assert np.max(np.abs(ours[real] - hf_logits[real])) > 1e-3
+
+
+def test_save_pretrained_round_trips_through_transformers(case, tmp_path):
+    name, hf_model, _, policy, _, input_ids, hf_logits = case
+    sharded = name not in HF_SHARDED
+    save_pretrained(policy, tmp_path, max_shard_bytes=30_000 if sharded else 2**30)
+    assert (tmp_path / "model.safetensors.index.json").exists() == sharded
+    assert json.loads((tmp_path / "config.json").read_text())["model_type"] == CASES[name]["model_type"]
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    original = hf_model.state_dict()
+    restored = reloaded.state_dict()
+    assert sorted(restored) == sorted(original)
+    for key, tensor in original.items():
+        torch.testing.assert_close(restored[key], tensor, rtol=0, atol=0, msg=key)
+    _assert_logits_close(_hf_logits(reloaded, input_ids), hf_logits)
+
+
+def test_param_count_matches_transformers(case):
+    name, hf_model, _, policy, *_ = case
+    config = ModelConfig.from_hf(CASES[name])
+    assert param_count(config) == hf_model.num_parameters()
+    ours = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(policy, nnx.Param)))
+    assert ours == hf_model.num_parameters()
