@@ -1,0 +1,158 @@
+"""Sampling throughput: our jitted KV-cache sampler against transformers `generate` (torch, CPU), on
+identical weights, side by side in one run.
+
+    python benchmarks/sampler.py            # the full shapes (minutes; run it on an idle machine)
+    python benchmarks/sampler.py --quick    # a tiny model and short sequences: a smoke test
+    python benchmarks/sampler.py --models d256 --batches 32 --repeats 5
+
+For each model a random Qwen3-MoE policy is written with `save_pretrained` and both sides load that
+folder (ours with `from_pretrained`, transformers with `AutoModelForCausalLM.from_pretrained`), so
+the weights are the same bytes; a full forward of one prompt is compared first (max |Δ logit|).
+Each run: a batch of random prompts of `--prompt-len` tokens, then `--new-tokens` sampled tokens per
+row at temperature 1 with no top-k / top-p and no stop token (so every row decodes the same count).
+Times are medians of `--repeats` runs after one warm-up run (compilation excluded).
+
+Columns:
+  ours tok/s         batch · new tokens / (prefill + decode) time, float32, chunks of `--chunk` tokens
+                     (`Sampler.generate`: each chunk attends over the cache window its rows need)
+  ours decode tok/s  the same, counting only the decode part (prefill timed separately)
+  hf tok/s           batch · new tokens / time of `model.generate(do_sample=True, top_k=0,
+                     min_new_tokens=max_new_tokens)` (prefill + decode), float32, torch.no_grad
+  ratio              ours tok/s / hf tok/s (> 1: ours is faster)
+Tunix's native sampler is not included (it would need its own Qwen3-MoE weight mapping).
+"""
+
+import argparse
+import statistics
+import tempfile
+import time
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sao_jax.models import ModelConfig, Policy, from_pretrained, param_count, save_pretrained
+from sao_jax.rollout.sampler import Sampler
+
+
+def bench_config(hidden_size: int, num_layers: int, vocab_size: int = 1024) -> ModelConfig:
+    """Qwen3-MoE, head_dim 64, 8 experts of width 2·hidden (top 2): the active MLP matches a dense
+    SwiGLU of width 4·hidden, so d256 has about the active size of a 4.7M-parameter dense Qwen3."""
+    return ModelConfig(
+        model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
+        num_heads=hidden_size // 64, num_kv_heads=max(1, hidden_size // 128), head_dim=64,
+        intermediate_size=4 * hidden_size, max_position_embeddings=4096, num_experts=8, num_experts_per_token=2,
+        moe_intermediate_size=2 * hidden_size, norm_topk_prob=True,
+    )  # fmt: skip
+
+
+MODELS = {
+    "d256": bench_config(256, 4),
+    # every layer dense (Qwen3-MoE's mlp_only_layers): the 4.7M-parameter dense Qwen3 shape
+    "d256-dense": bench_config(256, 4).replace(dense_layers=(0, 1, 2, 3)),
+    "d512": bench_config(512, 4),
+}
+QUICK_MODELS = {"d64": bench_config(64, 2, vocab_size=128)}
+
+
+def median_time(fn, repeats: int) -> float:
+    fn()  # warm-up (compiles)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_ours(policy, prompts, new_tokens: int, chunk: int, repeats: int):
+    """(median total seconds, median prefill seconds)."""
+    batch, prompt_len = prompts.shape
+    sampler = Sampler(policy, chunk_size=chunk)
+    params = nnx.state(policy)
+    mask = np.ones_like(prompts, bool)
+    budgets = np.full(batch, new_tokens, np.int32)
+    no_stop = np.full((batch, 1), -1, np.int32)
+    key = jax.random.key(0)
+
+    def prefill():
+        state = sampler.init_state(batch, prompt_len + new_tokens)
+        state = sampler.prefill(params, state, prompts, mask)
+        jax.block_until_ready(state)
+        return state
+
+    def total():
+        state, generation = sampler.generate(params, prefill(), key, budgets, no_stop)
+        assert (generation.lengths == new_tokens).all()
+
+    return median_time(total, repeats), median_time(prefill, repeats)
+
+
+def bench_hf(hf_model, prompts, new_tokens: int, repeats: int) -> float:
+    import torch
+
+    ids = torch.from_numpy(prompts.astype(np.int64))
+    mask = torch.ones_like(ids)
+
+    def run():
+        with torch.no_grad():
+            out = hf_model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)  # fmt: skip
+        assert out.shape[1] == prompts.shape[1] + new_tokens
+
+    return median_time(run, repeats)
+
+
+def logit_gap(policy, hf_model, prompt) -> float:
+    import torch
+
+    ours = np.asarray(policy(prompt[None]))
+    with torch.no_grad():
+        theirs = hf_model(torch.from_numpy(prompt[None].astype(np.int64))).logits.numpy()
+    return float(np.max(np.abs(ours - theirs)))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model and sequences: a smoke test")
+    parser.add_argument("--models", nargs="*", help=f"subset of {sorted(MODELS)}")
+    parser.add_argument("--batches", nargs="*", type=int)
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--new-tokens", type=int)
+    parser.add_argument("--chunk", type=int, default=32, help="decode chunk size of our sampler")
+    parser.add_argument("--repeats", type=int)
+    args = parser.parse_args()
+    models = QUICK_MODELS if args.quick else {name: MODELS[name] for name in (args.models or MODELS)}
+    batches = args.batches or ([1, 4] if args.quick else [1, 32])
+    prompt_len = args.prompt_len or (16 if args.quick else 128)
+    new_tokens = args.new_tokens or (16 if args.quick else 128)
+    repeats = args.repeats or (2 if args.quick else 5)
+
+    from transformers import AutoModelForCausalLM
+
+    print(f"prompt {prompt_len} + {new_tokens} new tokens, median of {repeats}, JAX {jax.default_backend()}")
+    header = (f"{'model':>10} {'params':>8} {'active':>8} {'batch':>5} {'ours tok/s':>11} {'ours decode tok/s':>18} "
+              f"{'hf tok/s':>9} {'ratio':>6}")  # fmt: skip
+    rows = []
+    for name, config in models.items():
+        with tempfile.TemporaryDirectory() as folder:
+            save_pretrained(Policy(config, rngs=nnx.Rngs(0)), folder)
+            policy = from_pretrained(folder)
+            hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        rng = np.random.default_rng(0)
+        gap = logit_gap(policy, hf_model, rng.integers(3, config.vocab_size, prompt_len).astype(np.int32))
+        print(f"{name}: max |ours - transformers| logit on a {prompt_len}-token prompt = {gap:.2e}")
+        for batch in batches:
+            prompts = rng.integers(3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
+            total, prefill = bench_ours(policy, prompts, new_tokens, args.chunk, repeats)
+            hf_time = bench_hf(hf_model, prompts, new_tokens, repeats)
+            produced = batch * new_tokens
+            total_m, active_m = param_count(config) / 1e6, param_count(config, active=True) / 1e6
+            rows.append(f"{name:>10} {total_m:>7.1f}M {active_m:>7.1f}M {batch:>5} {produced / total:>11.0f} "
+                        f"{produced / (total - prefill):>18.0f} {produced / hf_time:>9.0f} {hf_time / total:>6.1f}")
+            print(rows[-1] if len(rows) > 1 else header + "\n" + rows[-1], flush=True)
+    print("\n" + header + "\n" + "\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()

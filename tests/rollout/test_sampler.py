@@ -1,0 +1,264 @@
+"""The sampler records log μ and H(μ) of the distribution it actually samples from, and its cached,
+chunked decode (with observation prefill in between) gives what one full forward of the whole sequence
+gives. References: a jitted uncached full forward of the produced sequence (itself checked against
+transformers in tests/models/test_hf_parity.py) and a plain-numpy transform written from the formulas.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax.data.tokenizers import CharTokenizer
+from sao_jax.models import Policy, tiny_qwen3_moe
+from sao_jax.rollout.sampler import Generation, Sampler, entropy_of, sampling_log_probs, stop_token_ids
+
+VOCAB = 97
+NO_STOP = np.full((3, 2), -1, np.int32)
+PREFILL_WIDTH = 8  # every prefill in this module is padded to it: one compiled prefill shape per sampler
+
+
+# --- independent references --------------------------------------------------------------------------
+
+
+def reference_log_mu(logits, temperature=1.0, top_k=0, top_p=1.0):
+    """log μ of one row, in float64, by ranking tokens one by one (module docstring of sampler.py)."""
+    z = np.asarray(logits, np.float64) / temperature
+    order = sorted(range(len(z)), key=lambda v: -z[v])
+    kept = order[:top_k] if top_k else order
+    if top_p < 1.0:
+        weights = np.exp(np.array([z[v] for v in kept]) - z[kept[0]])
+        probs = weights / weights.sum()
+        nucleus, mass = [], 0.0
+        for v, p in zip(kept, probs):
+            nucleus.append(v)
+            mass += p
+            if mass >= top_p:
+                break
+        kept = nucleus
+    out = np.full(len(z), -np.inf)
+    kept_z = np.array([z[v] for v in kept])
+    log_norm = kept_z.max() + np.log(np.sum(np.exp(kept_z - kept_z.max())))
+    out[kept] = kept_z - log_norm
+    return out
+
+
+def reference_entropy(log_mu):
+    p = np.exp(log_mu)
+    return -sum(p[v] * log_mu[v] for v in range(len(log_mu)) if p[v] > 0)
+
+
+# --- fixtures ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def policy():
+    # initializer_range 0.3: peaked next-token distributions, so top-k / top-p cut real mass
+    return Policy(tiny_qwen3_moe(vocab_size=VOCAB, initializer_range=0.3), rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def params(policy):
+    return nnx.state(policy)
+
+
+@pytest.fixture(scope="module")
+def full_logits(policy):
+    """Uncached full forward: (ids [batch, time], mask) -> float32 logits [batch, time, vocab]."""
+    graphdef, state = nnx.split(policy)
+    return jax.jit(lambda ids, mask: nnx.merge(graphdef, state)(ids, attention_mask=mask))
+
+
+@pytest.fixture(scope="module")
+def plain_sampler(policy):
+    return Sampler(policy, chunk_size=4)  # small chunks: every generation below spans several
+
+
+@pytest.fixture(scope="module")
+def truncating_sampler(policy):
+    return Sampler(policy, temperature=0.7, top_k=12, top_p=0.8, chunk_size=4)
+
+
+def _padded(rows, width=PREFILL_WIDTH):
+    ids, mask = np.zeros((len(rows), width), np.int32), np.zeros((len(rows), width), bool)
+    for b, row in enumerate(rows):
+        ids[b, : len(row)], mask[b, : len(row)] = row, True
+    return ids, mask
+
+
+def _teacher_forced(full_logits, sequences):
+    """Per sequence, float64 logits [len, vocab] of a full forward over the whole sequence."""
+    width = max(len(s) for s in sequences)
+    ids, mask = _padded(sequences, width)
+    logits = np.asarray(full_logits(ids, mask), np.float64)
+    return [logits[b, : len(s)] for b, s in enumerate(sequences)]
+
+
+def _joined(*pieces):
+    """One Generation from consecutive Generations of the same rows."""
+    lengths = sum(piece.lengths for piece in pieces)
+    fields = {}
+    for name in ("tokens", "logprobs", "entropy"):
+        fields[name] = np.zeros((len(lengths), lengths.max()), getattr(pieces[0], name).dtype)
+        for b, n in enumerate(lengths):
+            fields[name][b, :n] = np.concatenate([getattr(p, name)[b, : p.lengths[b]] for p in pieces])
+    return Generation(lengths=lengths, **fields)
+
+
+def _check_against_reference(logits_per_seq, starts, generation, **transform):
+    """Sampled token t of row b sits at position starts[b] + t and was drawn from logits at the
+    position before it: compare the recorded log μ and H(μ) with the numpy reference."""
+    for b, start in enumerate(starts):
+        for t in range(generation.lengths[b]):
+            log_mu = reference_log_mu(logits_per_seq[b][start + t - 1], **transform)
+            token = generation.tokens[b, t]
+            assert np.isfinite(log_mu[token]), f"row {b} token {t}: sampled {token} outside the kept set"
+            np.testing.assert_allclose(generation.logprobs[b, t], log_mu[token], atol=1e-5, err_msg=f"row {b} t {t}")
+            np.testing.assert_allclose(generation.entropy[b, t], reference_entropy(log_mu), atol=1e-5,
+                                       err_msg=f"row {b} t {t}")  # fmt: skip
+
+
+# --- the transform alone -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "transform",
+    [dict(), dict(temperature=0.5), dict(top_k=1), dict(top_k=7), dict(top_p=0.3), dict(top_p=0.95),
+     dict(temperature=1.7, top_k=9, top_p=0.6)],
+)  # fmt: skip
+def test_sampling_log_probs_match_numpy_transform(transform):
+    logits = 3.0 * np.random.default_rng(0).normal(size=(6, 40)).astype(np.float32)
+    log_mu = np.asarray(sampling_log_probs(jnp.asarray(logits), **transform))
+    entropy = np.asarray(entropy_of(jnp.asarray(log_mu)))
+    for b in range(len(logits)):
+        expected = reference_log_mu(logits[b], **transform)
+        np.testing.assert_array_equal(np.isfinite(log_mu[b]), np.isfinite(expected), err_msg=f"support, row {b}")
+        kept = np.isfinite(expected)
+        np.testing.assert_allclose(log_mu[b][kept], expected[kept], atol=1e-5)
+        np.testing.assert_allclose(entropy[b], reference_entropy(expected), atol=1e-5)
+
+
+def test_stop_token_ids_of_char_tokenizer():
+    tokenizer = CharTokenizer()
+    assert stop_token_ids(tokenizer, ["\n"]) == [int(tokenizer.encode("\n")[0])]
+    with pytest.raises(ValueError, match="'ab' encodes to 2 tokens"):
+        stop_token_ids(tokenizer, ["ab"])
+
+
+def test_bad_settings_are_named(policy):
+    with pytest.raises(ValueError, match="temperature"):
+        Sampler(policy, temperature=0.0)
+    with pytest.raises(ValueError, match="top_p"):
+        Sampler(policy, top_p=0.0)
+    with pytest.raises(ValueError, match="top_k"):
+        Sampler(policy, top_k=-1)
+
+
+# --- the compiled sampler ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_logprobs_equal_full_forward_through_observation_prefill(plain_sampler, params, full_logits):
+    """Prompts of lengths 3, 7, 1 → decode (a first chunk over an 8-slot window, in which the 7-token
+    row pauses after 1 token; then chunks over 64-slot windows of the 96-slot cache) → observations
+    of lengths 2, 0, 5 prefilled into the same cache → decode again. Every recorded log-prob and
+    entropy equals the log-softmax of one uncached forward over the whole history; the logits after
+    the observation equal re-encoding. The same keys with the rows in reverse order, decoded
+    without the pause, give the same tokens (a row's draws depend only on its key and positions)."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, VOCAB, n) for n in (3, 7, 1)]
+    budgets = np.array([6, 9, 4])
+    keys = jax.random.split(jax.random.key(0), 3)
+    state = plain_sampler.init_state(3, 96)
+    state = plain_sampler.prefill(params, state, *_padded(prompts))
+    state, paused = plain_sampler.decode_chunk(params, state, keys, budgets, NO_STOP, window=8)
+    np.testing.assert_array_equal(paused.num_tokens, [4, 1, 4])  # chunk of 4; row 1 reached slot 8
+    np.testing.assert_array_equal(paused.finished, [False, False, True])
+    state, rest = plain_sampler.generate(params, state, keys, budgets - paused.num_tokens, NO_STOP)
+    paused = Generation(tokens=np.asarray(paused.tokens), logprobs=np.asarray(paused.logprobs),
+                        entropy=np.asarray(paused.entropy), lengths=np.asarray(paused.num_tokens))  # fmt: skip
+    first = _joined(paused, rest)
+    np.testing.assert_array_equal(first.lengths, budgets)
+    histories = [np.concatenate([p, first.tokens[b, : first.lengths[b]]]) for b, p in enumerate(prompts)]
+    _check_against_reference(_teacher_forced(full_logits, histories), [len(p) for p in prompts], first)
+
+    reverse = plain_sampler.prefill(params, plain_sampler.init_state(3, 96), *_padded(prompts[::-1]))
+    _, reversed_run = plain_sampler.generate(params, reverse, keys[::-1], budgets[::-1], NO_STOP)
+    np.testing.assert_array_equal(reversed_run.tokens[::-1], first.tokens)
+
+    observations = [rng.integers(3, VOCAB, n) for n in (2, 0, 5)]
+    state = plain_sampler.prefill(params, state, *_padded(observations))
+    histories = [np.concatenate([h, o]) for h, o in zip(histories, observations)]
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), [len(h) for h in histories])
+    re_encoded = _teacher_forced(full_logits, histories)
+    np.testing.assert_allclose(np.asarray(state.next_logits), np.stack([r[-1] for r in re_encoded]),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+    state, second = plain_sampler.generate(params, state, jax.random.key(1), [5, 5, 7], NO_STOP)
+    starts = [len(h) for h in histories]
+    histories = [np.concatenate([h, second.tokens[b, : second.lengths[b]]]) for b, h in enumerate(histories)]
+    _check_against_reference(_teacher_forced(full_logits, histories), starts, second)
+
+
+@pytest.mark.slow
+def test_truncated_sampling_records_the_transformed_distribution(truncating_sampler, params, full_logits):
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, VOCAB, n) for n in (5, 2, 8)]
+    state = truncating_sampler.init_state(3, 32)
+    state = truncating_sampler.prefill(params, state, *_padded(prompts))
+    state, generation = truncating_sampler.generate(params, state, jax.random.key(3), [10, 10, 10], NO_STOP)
+    histories = [np.concatenate([p, generation.tokens[b, : generation.lengths[b]]]) for b, p in enumerate(prompts)]
+    _check_against_reference(_teacher_forced(full_logits, histories), [len(p) for p in prompts], generation,
+                             temperature=0.7, top_k=12, top_p=0.8)  # fmt: skip
+    assert np.ptp(generation.entropy[:, :10]) > 0.1, "degenerate test: every step had the same distribution"
+
+
+@pytest.mark.slow
+def test_draws_follow_the_recorded_distribution(truncating_sampler, params):
+    """512 rows with the same prompt draw their first token independently from one μ: the empirical
+    frequencies match exp(recorded log μ) (chi-square, 1e-4 significance) and never leave its support."""
+    rows = 512
+    state = truncating_sampler.init_state(rows, 8)
+    state = truncating_sampler.prefill(params, state, *_padded([[5, 17, 42]] * rows))
+    log_mu = np.asarray(truncating_sampler.log_probs(state.next_logits[:1]))[0]
+    state, generation = truncating_sampler.generate(params, state, jax.random.key(4), np.ones(rows, np.int32),
+                                                    np.full((rows, 1), -1, np.int32))  # fmt: skip
+    tokens = generation.tokens[:, 0]
+    np.testing.assert_allclose(generation.logprobs[:, 0], log_mu[tokens], atol=1e-6)
+    support = np.flatnonzero(np.isfinite(log_mu))
+    assert 2 <= len(support) <= 12 and set(tokens) <= set(support)
+    expected = rows * np.exp(log_mu[support])
+    observed = np.array([np.sum(tokens == v) for v in support])
+    chi_square = np.sum((observed - expected) ** 2 / expected)
+    from scipy.stats import chi2
+
+    assert chi_square < chi2.ppf(1 - 1e-4, df=len(support) - 1), (observed, expected.round(1))
+
+
+@pytest.mark.slow
+def test_stop_tokens_budgets_and_cache_end_per_row(plain_sampler, params):
+    """Row 0 stops on any of 60 token ids, row 1 on none (budget 9), row 2 is idle (budget 0), row 3's
+    cache has only 3 free slots. A row ends at its first stop token (kept), at its budget, or when its
+    cache is full, across chunk boundaries; the cache grows by exactly the sampled tokens."""
+    max_len = 16
+    prompts = [[4, 5], [6], [7, 8, 9], list(range(10, 23))]
+    state = plain_sampler.init_state(4, max_len)
+    ids, mask = _padded(prompts, 16)
+    state = plain_sampler.prefill(params, state, ids, mask)
+    stop_sets = [np.arange(30, 90), np.array([], int), np.arange(3, 20), np.array([], int)]
+    stop_ids = np.full((4, 60), -1, np.int32)
+    for b, ids_b in enumerate(stop_sets):
+        stop_ids[b, : len(ids_b)] = ids_b
+    budgets = [12, 9, 0, 10]
+    state, generation = plain_sampler.generate(params, state, jax.random.key(5), budgets, stop_ids)
+    lengths = generation.lengths
+    assert lengths[1] == 9 and lengths[2] == 0 and lengths[3] == max_len - len(prompts[3])
+    row0 = generation.tokens[0, : lengths[0]]
+    assert row0[-1] in stop_sets[0], f"row 0 should have stopped on a stop token: {row0}"
+    assert not np.isin(row0[:-1], stop_sets[0]).any()
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), [len(p) + n for p, n in zip(prompts, lengths)])
+    # a further call on a full cache samples nothing and reports the row finished
+    state, chunk = plain_sampler.decode_chunk(params, state, jax.random.split(jax.random.key(6), 4), [0, 0, 0, 5],
+                                              stop_ids)  # fmt: skip
+    assert int(chunk.num_tokens[3]) == 0 and bool(chunk.finished[3])
