@@ -1,26 +1,27 @@
-"""`sao-train [--config FILE] [key.sub=value ...]`.
+"""`sao-train [--config FILE] [--resume] [key.sub=value ...]`: SFT → value pretraining → SAO RL.
 
-Until the trainer lands (issue "The SAO trainer end to end"), the main job is a demo of the algorithm
-core: one multi-turn tool-use trajectory, its per-token rewards and critic values, and the advantages
-that skip-observation GAE and cross-observation GAE give it, printed per span.
+With no arguments it runs the embedded default: the calculator-tool task, a tiny MoE policy and critic,
+on the CPU. `--gae-demo` instead prints skip- vs cross-observation GAE on one multi-turn trajectory.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from sao_jax.config import ConfigError, load_config, to_dict
+from sao_jax.config import ConfigError, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sao-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", help="YAML config file (may name `base:`)")
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    parser.add_argument("--gae-demo", action="store_true", help="print the GAE demo table and exit")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
     args = parser.parse_args(argv)
     try:
@@ -28,13 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         return 2
-    out = Path(config.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    table = gae_demo(gamma=config.advantage.gamma, lam=config.advantage.lam_policy)
-    print(table)
-    (out / "gae_demo.md").write_text(table + "\n")
-    print(f"\nwrote {out / 'gae_demo.md'} and {out / 'config.yaml'}")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("sao_jax").setLevel(logging.INFO)
+    if args.gae_demo:
+        print(gae_demo(gamma=config.advantage.gamma, lam=config.advantage.lam_policy))
+        return 0
+    from sao_jax.train.loop import train
+
+    summary = train(config, resume=args.resume)
+    print(json.dumps(summary, indent=2))
+    print(f"metrics: {Path(config.output_dir) / 'metrics.jsonl'}   plots: {Path(config.output_dir) / 'plots'}")
     return 0
 
 

@@ -96,7 +96,9 @@ class CriticConfig:
     # attention, embeddings and norms are frozen. "w/o frozen attention" is `[".*"]`.
     trainable_patterns: tuple[str, ...] = CRITIC_FROZEN_ATTENTION_TRAINABLE
     optimizer: OptimizerConfig = OptimizerConfig(lr=5e-6)
-    pretrain_rollouts: int = 256
+    pretrain_rollouts: int = 256  # value-pretraining corpus size ("scaled value pretraining" = more)
+    pretrain_epochs: int = 4
+    pretrain_lr: float = 1e-3
 
     def problems(self) -> list[tuple[str, str]]:
         k = self.updates_per_policy_update
@@ -109,15 +111,77 @@ class PolicyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The policy's architecture: a preset of `sao_jax.models` (vocab sized to the tokenizer), or a
+    Hugging Face folder for `from_pretrained`."""
+
+    preset: str = "cpu_moe"
+    pretrained: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvConfig:
+    name: str = "calculator"
+    difficulty: tuple[int, ...] = ()  # levels to draw uniformly from; empty = the env's full mix
+    train_prompts: int = 4096  # size of the training prompt pool (per-prompt baselines key on it)
+    eval_prompts: int = 128  # held-out prompts, drawn from a separate stream
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    num_slots: int = 32  # trajectories decoded together
+    max_total_tokens: int = 96
+    max_action_tokens: int = 32
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    chunk_size: int = 16
+    env_timeout_s: float = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 300
+    batch_size: int = 32
+    optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """The RL stage."""
+
+    steps: int = 200
+    batch_size: int = 32
+    eval_every: int = 25
+    checkpoint_every: int = 25
+    keep_checkpoints: int = 3
+    mode: str = "sync"  # "sync": deterministic lockstep; "async": streaming single rollouts
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = [(n, f"must be >= 1 (got {v})") for n, v in
+               (("batch_size", self.batch_size), ("eval_every", self.eval_every),
+                ("checkpoint_every", self.checkpoint_every), ("keep_checkpoints", self.keep_checkpoints))
+               if v < 1]  # fmt: skip
+        if self.mode not in ("sync", "async"):
+            out.append(("mode", f"must be sync or async (got {self.mode!r})"))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """One run. `seed` and `output_dir` always exist (the CLI contract)."""
 
     seed: int = 0
     output_dir: str = "runs/default"
+    model: ModelConfig = ModelConfig()
+    env: EnvConfig = EnvConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    sft: SFTConfig = SFTConfig()
     advantage: AdvantageConfig = AdvantageConfig()
     loss: LossConfig = LossConfig()
     critic: CriticConfig = CriticConfig()
     policy: PolicyConfig = PolicyConfig()
+    train: TrainConfig = TrainConfig()
 
 
 def load_config(

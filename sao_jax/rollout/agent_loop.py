@@ -84,7 +84,11 @@ class AgentLoopConfig:
       length. max_action_tokens: most tokens of one action.
     max_turns: most environment steps per trajectory, on top of the environment's own `max_turns`
       (None: only the environment's). env_timeout_s: deadline of one reset or step call.
-    add_bos: start every trajectory with the tokenizer's `bos_id`."""
+    add_bos: start every trajectory with the tokenizer's `bos_id`.
+    lockstep: wait for every pending environment call before the next decode chunk, and apply the
+      results in slot order. The sequence of prefill/decode calls is then a function of the inputs
+      alone, not of thread timing — the deterministic training mode. Without it, rows whose
+      environment is still working do not hold up the others."""
 
     num_slots: int = 8
     max_total_tokens: int = 512
@@ -92,6 +96,7 @@ class AgentLoopConfig:
     max_turns: int | None = None
     env_timeout_s: float = 10.0
     add_bos: bool = True
+    lockstep: bool = False
 
     def __post_init__(self):
         for name in ("num_slots", "max_total_tokens", "max_action_tokens"):
@@ -196,6 +201,13 @@ class _EnvCalls:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+    def collect_all(self) -> list[tuple[int, Any]]:
+        """Every pending call's result (or EnvFailure at its deadline), in slot order."""
+        done = []
+        while self._pending:
+            done += self.collect(block=True)
+        return sorted(done, key=lambda item: item[0])
 
     def collect(self, *, block: bool, max_wait_s: float = math.inf) -> list[tuple[int, Any]]:
         """Finished calls as (slot, value or EnvFailure). With `block`, waits until at least one call
@@ -327,7 +339,8 @@ class AgentLoop:
             busy = any(s is not None and s.phase is not _Phase.WAITING_ENV for s in slots)
             # with a free slot and a source that may deliver later, look again for prompts soon
             max_wait_s = PROMPT_POLL_S if not exhausted and any(s is None for s in slots) else math.inf
-            for b, value in calls.collect(block=not busy, max_wait_s=max_wait_s):
+            results = calls.collect_all() if config.lockstep else calls.collect(block=not busy, max_wait_s=max_wait_s)
+            for b, value in results:
                 if isinstance(value, EnvFailure):
                     finish_slot(b, failure=value)
                     continue

@@ -1,0 +1,79 @@
+"""SFT warm start on synthetic demonstrations from the environment's own generator.
+
+A demonstration trajectory is laid out exactly as the agent loop lays out a sampled one
+(`sao_jax.rollout.agent_loop`): `[bos] prompt | a_0 | o_0 | a_1 | … | a_n`, with the gold actions
+(`env.demonstration(prompt)`) stepped through a real environment so the observations are the
+environment's own. The SFT loss is the token-mean negative log-likelihood of the action tokens:
+
+    L = −Σ_t action_mask_t · log π(x_t | x_<t) / Σ_t action_mask_t
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from sao_jax import advantages as adv
+from sao_jax import losses
+from sao_jax.rollout.trajectory import Trajectory, TrajectoryBatch
+from sao_jax.train.steps import policy_logits
+
+
+def demonstration_trajectory(env: Any, prompt: Any, demonstration: list[str], tokenizer) -> Trajectory:
+    """Step `env` through the gold `demonstration` actions and record the trajectory it makes."""
+    pieces: list[tuple[np.ndarray, bool, int, float]] = []  # (ids, is_action, turn, reward on last)
+    pieces.append((np.array([tokenizer.bos_id], np.int32), False, -1, 0.0))
+    pieces.append((tokenizer.encode(env.reset(prompt)), False, -1, 0.0))
+    for turn, action in enumerate(demonstration):
+        result = env.step(action)
+        pieces.append((tokenizer.encode(action), True, turn, float(result.reward)))
+        if result.done:
+            break
+        pieces.append((tokenizer.encode(result.observation), False, turn, 0.0))
+    tokens = np.concatenate([ids for ids, *_ in pieces]).astype(np.int32)
+    action = np.concatenate([np.full(len(ids), is_action) for ids, is_action, *_ in pieces])
+    turn = np.concatenate([np.full(len(ids), t, np.int32) for ids, _, t, _ in pieces])
+    rewards = np.zeros(len(tokens), np.float32)
+    end = 0
+    for ids, is_action, _, reward in pieces:
+        end += len(ids)
+        if is_action:
+            rewards[end - 1] = reward
+    zeros = np.zeros(len(tokens), np.float32)
+    return Trajectory(
+        tokens=tokens,
+        action_mask=action,
+        rollout_logprobs=zeros,
+        rollout_entropy=zeros.copy(),
+        policy_version=np.full(len(tokens), -1, np.int32),  # not sampled by any policy
+        rewards=rewards,
+        turn_index=turn,
+        prompt_id=int(prompt.id) % (2**31),
+        info={"demonstration": True},
+    )
+
+
+def make_sft_update(policy_graph, policy_buffers, tx: optax.GradientTransformation) -> Callable:
+    """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`: one step on the NLL above."""
+
+    def sft_update(params, opt_state, batch: TrajectoryBatch):
+        def loss_fn(params):
+            logits, _ = policy_logits(policy_graph, params, policy_buffers, batch)
+            logp = losses.token_logprobs(logits, batch.tokens)
+            nll = -adv.masked_mean(logp, batch.action_mask)
+            accuracy = adv.masked_mean(
+                jnp.pad(jnp.argmax(logits[:, :-1], axis=-1) == batch.tokens[:, 1:], ((0, 0), (1, 0))),
+                batch.action_mask,
+            )
+            return nll, {"sft/nll": nll, "sft/token_accuracy": accuracy}
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    return jax.jit(sft_update, donate_argnums=(0, 1))
