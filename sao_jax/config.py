@@ -156,6 +156,8 @@ class TrainConfig:
     checkpoint_every: int = 25
     keep_checkpoints: int = 3
     mode: str = "sync"  # "sync": deterministic lockstep; "async": streaming single rollouts
+    max_staleness: int = 4  # async: drop trajectories sampled more than this many versions ago
+    queue_capacity: int = 64  # async: finished trajectories waiting for the trainer
 
     def problems(self) -> list[tuple[str, str]]:
         out = [(n, f"must be >= 1 (got {v})") for n, v in

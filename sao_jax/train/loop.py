@@ -11,6 +11,7 @@ writes the same metrics as the uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import time
@@ -20,7 +21,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import yaml
 from flax import nnx
 from tqdm.auto import tqdm
@@ -31,8 +31,8 @@ from sao_jax.checkpoint import Checkpointer
 from sao_jax.config import Config, to_dict
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import environment_class
-from sao_jax.metrics import MetricsWriter, plot_run, truncate_after
-from sao_jax.optim import ALL_TRAINABLE, adamw, learning_rate_schedule, train_only
+from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
+from sao_jax.optim import adamw, learning_rate_schedule, train_only
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
@@ -240,44 +240,120 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     return summary
 
 
+class LockstepBatches:
+    """Sync mode: RL step s rolls out `batch_size` prompts drawn with rng (seed, s) from the pool, in
+    lockstep (no thread timing in the result), with the current weights."""
+
+    def __init__(self, run: Run, rollout_loop: AgentLoop):
+        self.run, self.rollout_loop = run, rollout_loop
+
+    def next(self, step: int, weights) -> tuple[list[Trajectory], dict[str, float]]:
+        config = self.run.config
+        rng = np.random.default_rng([config.seed, _RL, step])
+        pool = self.run.train_prompts
+        prompts = [pool[j] for j in rng.integers(0, len(pool), config.train.batch_size)]
+        key = jax.random.fold_in(jax.random.key(config.seed), step)
+        trajectories = self.rollout_loop.rollout((weights, step - 1), prompts, key)
+        kept, failed = usable(trajectories)
+        return kept, {"train/env_failed": failed}
+
+    def close(self) -> None:
+        pass
+
+
+class StreamingBatches:
+    """Async mode: the rollout engine streams single rollouts (group size 1) as they finish; weights
+    are published after every step and picked up by running rollouts between decode chunks."""
+
+    def __init__(self, run: Run, rollout_loop: AgentLoop, weights, start_step: int):
+        from sao_jax.rollout.agent_loop import RolloutService
+        from sao_jax.rollout.engine import RolloutEngine, WeightStore
+
+        config = run.config
+        self.run = run
+        self.store = WeightStore(_copy(weights), version=start_step)
+        self.service = RolloutService(rollout_loop)
+        self.engine = RolloutEngine(
+            self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count()), self.store,
+            jax.random.fold_in(jax.random.key(config.seed), start_step), num_workers=config.rollout.num_slots,
+            queue_capacity=config.train.queue_capacity, max_staleness=config.train.max_staleness,
+        )  # fmt: skip
+
+    def pool_index(self, prompt_index: int) -> int:
+        config = self.run.config
+        return int(np.random.default_rng([config.seed, _RL, prompt_index]).integers(len(self.run.train_prompts)))
+
+    def next(self, step: int, weights) -> tuple[list[Trajectory], dict[str, float]]:
+        if step - 1 > self.store.version:
+            # The trainer's weights after step − 1 (a copy: the next step donates the state's buffers).
+            self.store.publish(_copy(weights), step - 1)
+        batch = self.engine.get_batch(self.run.config.train.batch_size)
+        for trajectory in batch:  # the engine numbers prompts; baselines key on the pool index
+            trajectory.prompt_id = self.pool_index(trajectory.prompt_id)
+        metrics = self.engine.metrics()
+        histogram = metrics["staleness_histogram"]
+        seen = sum(histogram.values())
+        return batch, {
+            "async/queue_depth": metrics["queue_depth"],
+            "async/trainer_idle_fraction": metrics["trainer_idle_fraction"],
+            "async/trajectories_per_s": metrics["trajectories_per_s"],
+            "async/action_tokens_per_s": metrics["action_tokens_per_s"],
+            "async/dropped_stale": metrics["trajectories_dropped_stale"],
+            "async/staleness_mean": sum(k * v for k, v in histogram.items()) / max(seen, 1),
+            "train/env_failed": metrics["trajectories_failed"],
+        }
+
+    def close(self) -> None:
+        state = self.engine.close()
+        self.service.close()
+        lost = len(state.unconsumed_indices) + len(state.in_flight_indices)
+        if lost:
+            log.info("async engine closed with %d finished-but-unused or in-flight rollouts", lost)
+
+
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int):
     config = run.config
     cfg = config.train
     base_key = jax.random.key(config.seed)
-    first_eval = None
     last_eval = None
-    bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="rl", initial=start_step, total=cfg.steps)
-    for step in bar:
-        started = time.perf_counter()
-        rng = np.random.default_rng([config.seed, _RL, step])
-        prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.batch_size)]
-        key = jax.random.fold_in(base_key, step)
-        trajectories = rollout_loop.rollout((policy_weights(state, graphs), step - 1), prompts, key)
-        kept, failed = usable(trajectories)
-        if not kept:
-            writer.write(step, {"train/env_failed": failed, "train/skipped_no_data": 1})
-            continue
-        batch = collate(kept, batch_size=cfg.batch_size, buckets=run.buckets)
-        lost = float(np.abs(unassigned_reward(batch.rewards, batch.action_mask)).sum())
-        if lost > 0:
-            raise RuntimeError(f"step {step}: reward {lost} sits before the first action token and cannot be credited")
-        warmup = step <= config.critic.warmup_steps
-        update = steps.critic_warmup_step if warmup else steps.ttur_step
-        state, metrics = update(state, batch, key)
-        line = {**rollout_metrics(kept, "train"), **jax.device_get(metrics), "train/env_failed": failed,
-                "train/critic_warmup": int(warmup), "time/step_s": time.perf_counter() - started}  # fmt: skip
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            line |= evaluate(run, eval_loop, policy_weights(state, graphs))
-            last_eval = line["eval/success_rate"]
-        written = writer.write(step, line)
-        bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
-                        eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            checkpointer.save(step, state, {"step": step})
+    weights = policy_weights(state, graphs)
+    source = (StreamingBatches(run, rollout_loop, weights, start_step) if cfg.mode == "async"
+              else LockstepBatches(run, rollout_loop))  # fmt: skip
+    try:
+        bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="rl", initial=start_step, total=cfg.steps)
+        for step in bar:
+            started = time.perf_counter()
+            kept, source_metrics = source.next(step, policy_weights(state, graphs))
+            if not kept:
+                writer.write(step, {**source_metrics, "train/skipped_no_data": 1})
+                continue
+            batch = collate(kept, batch_size=cfg.batch_size, buckets=run.buckets)
+            lost = float(np.abs(unassigned_reward(batch.rewards, batch.action_mask)).sum())
+            if lost > 0:
+                raise RuntimeError(f"step {step}: reward {lost} sits before the first action token and cannot be credited")
+            warmup = step <= config.critic.warmup_steps
+            update = steps.critic_warmup_step if warmup else steps.ttur_step
+            state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
+            line = {**rollout_metrics(kept, "train"), **source_metrics, **jax.device_get(metrics),
+                    "train/critic_warmup": int(warmup), "time/step_s": time.perf_counter() - started}  # fmt: skip
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                line |= evaluate(run, eval_loop, policy_weights(state, graphs))
+                last_eval = line["eval/success_rate"]
+            written = writer.write(step, line)
+            bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
+                            eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                checkpointer.save(step, state, {"step": step})
+    finally:
+        source.close()
     checkpointer.wait()
-    from sao_jax.metrics import read_metrics
-
-    evals = [l for l in read_metrics(Path(config.output_dir) / "metrics.jsonl") if "eval/success_rate" in l]
-    first_eval = evals[0]["eval/success_rate"] if evals else None
-    return {"eval_success_start": first_eval, "eval_success_end": evals[-1]["eval/success_rate"] if evals else None,
-            "steps": cfg.steps}  # fmt: skip
+    evals = [line for line in read_metrics(Path(config.output_dir) / "metrics.jsonl") if "eval/success_rate" in line]
+    return {
+        "eval_success_start": evals[0]["eval/success_rate"] if evals else None,
+        "eval_success_end": evals[-1]["eval/success_rate"] if evals else None,
+        "steps": cfg.steps,
+    }
