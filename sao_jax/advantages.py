@@ -70,6 +70,18 @@ def _reverse_linear_recurrence(offset: Array, decay: Array, decays: Array, metho
     "associative": each step is the affine map `x ↦ d_t + c_t·x`; two composed are again affine,
     `(c_t, d_t) ∘ (c_u, d_u) = (c_t·c_u, d_t + c_t·d_u)`, so `lax.associative_scan` composes every
     suffix at once (depth O(log T)), and with `x_T = 0` the offset of the suffix map from t is x_t.
+
+    Why no blocked (chunked) scan on CPU: splitting time into chunks of C, solving all chunks side
+    by side with a C-step scan, scanning the chunk carries and fixing each token up elementwise
+    (`x_t = local_t + Π_{s≥t in chunk} c_s · carry`) was measured slower than "scan" at every
+    benchmark shape, for C from 4 to 128 and several layouts (jax 0.10.2, 2-core CPU, load 3–5;
+    e.g. 8×131072: 7–19 ms against 4–5 ms). XLA:CPU runs a scan whose step touches under ~1 kB as
+    one compiled loop (~4 ns a step up to 4 lanes, then ~1 ns an element), while the chunk layout
+    costs transposes (f32 [2^17, 8] → [8, 2^17]: 0.5 ms, [8192, 128] → [128, 8192]: 1.3 ms, back
+    3.3 ms, against 0.2 ms for an elementwise pass over the same 2^20 floats), and its code for the
+    within-chunk shifts or concatenations is slower still. Reading the `[batch, time]` arrays
+    column by column instead (no transposes) saved at most ~25 % (batch 1) and was several times
+    slower at other shapes (cache-set conflicts from power-of-two strides), so is not used either.
     """
     if method == "scan":
         # The scan reads the bool mask rather than a float coefficient array: fewer bytes to
@@ -79,7 +91,7 @@ def _reverse_linear_recurrence(offset: Array, decay: Array, decays: Array, metho
             x = offset_t + jnp.where(decays_t, decay, 1) * x_next
             return x, x
 
-        # unroll=1: on XLA CPU, unrolling 8 or 16 steps measured slower, not faster.
+        # unroll=1: on XLA CPU, unrolling 2, 4, 8 or 16 steps measured slower, not faster.
         _, solution = jax.lax.scan(step, jnp.zeros_like(offset[:, 0]), (offset.T, decays.T),
                                    reverse=True)
         return solution.T
@@ -141,11 +153,12 @@ def skip_observation_gae(
       method: "scan" — a reverse `lax.scan` over time with the batch vectorised inside each step
         (depth T, least work); "associative" — `lax.associative_scan` of affine maps (depth
         O(log T), about twice the work and many more passes over memory); "auto" — "scan" on CPU,
-        "associative" elsewhere. On a shared 2-core CPU (f32, ~30 % observation tokens) the scan
-        won at every shape tried, e.g. 1×32768: 0.21 vs 0.45 ms, 1×131072: 0.93 vs 1.38 ms,
-        16×8192: 0.78 vs 1.44 ms, 128×1024: 0.71 vs 1.25 ms (`benchmarks/gae.py` measures it).
-        On GPU/TPU every scan iteration is a device loop step, so for long sequences the
-        O(log T) depth should win there (an expectation, not measured here).
+        "associative" elsewhere. On the shared 2-core CPU (jax 0.10.2, f32, ~30 % observation
+        tokens, load 3.4–3.6, medians of 9 interleaved calls of `benchmarks/gae.py`) the scan won
+        at every benchmark shape: 128×1024: 0.80 vs 1.90 ms, 16×32768: 3.0 vs 6.3 ms, 1×131072:
+        0.79 vs 1.82 ms, 8×131072: 3.6 vs 12.2 ms. On GPU/TPU every scan iteration is a device
+        loop step, so for long sequences the O(log T) depth should win there (an expectation,
+        not measured here).
 
     Returns:
       `(advantages, returns)`, float `[batch, time]`, holding `A_j` and `G_j` at `p_j` and zero on
