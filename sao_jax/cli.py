@@ -42,6 +42,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def evaluate_main(argv: list[str] | None = None) -> int:
+    """`sao-eval [--config FILE] [key.sub=value ...]`: greedy held-out success of the newest checkpoint
+    in output_dir (the same config as the run that wrote it)."""
+    parser = argparse.ArgumentParser(prog="sao-eval", description=evaluate_main.__doc__.split("\n")[0])
+    parser.add_argument("--config", help="YAML config file of the run")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
+    args = parser.parse_args(argv)
+    try:
+        config = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"ConfigError: {e}", file=sys.stderr)
+        return 2
+    from sao_jax.train.loop import evaluate_checkpoint
+
+    print(json.dumps(evaluate_checkpoint(config), indent=2))
+    return 0
+
+
 # A calculator-tool episode: the policy writes a tool call, the environment answers, the policy answers.
 DEMO_SPANS = (
     ("prompt", "Q: 17*3+4=?"),

@@ -315,6 +315,22 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def evaluate_checkpoint(config: Config) -> dict[str, Any]:
+    """Held-out evaluation of the newest readable checkpoint under `config.output_dir`."""
+    run = build_run(config)
+    policy_tx, critic_tx = make_optimizers(config)
+    critic = models.Critic.from_policy(run.policy, rngs=nnx.Rngs(config.seed + _INIT))
+    state, graphs = steps_lib.make_train_state(
+        run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
+    )
+    with Checkpointer(Path(config.output_dir) / "checkpoints") as checkpointer:
+        restored = checkpointer.restore_latest(jax.eval_shape(lambda: state))
+    if restored is None:
+        raise FileNotFoundError(f"no readable checkpoint under {Path(config.output_dir) / 'checkpoints'}")
+    step, state, _ = restored
+    return {"step": step, **evaluate(run, run.agent_loop(greedy=True), policy_weights(state, graphs))}
+
+
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int):
     config = run.config
     cfg = config.train
