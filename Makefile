@@ -35,6 +35,7 @@ test-fast: $(VENV)/.dev
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/gae.py
 	$(BIN)/python benchmarks/model.py
+	$(BIN)/python benchmarks/sampler.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
