@@ -125,6 +125,7 @@ class EnvConfig:
     difficulty: tuple[int, ...] = ()  # levels to draw uniformly from; empty = the env's full mix
     train_prompts: int = 4096  # size of the training prompt pool (per-prompt baselines key on it)
     eval_prompts: int = 128  # held-out prompts, drawn from a separate stream
+    eval_greedy: bool = False  # held-out decoding: greedy (top-k 1), or the rollout sampling settings
 
 
 @dataclasses.dataclass(frozen=True)

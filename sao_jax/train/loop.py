@@ -117,7 +117,8 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
 
 
 def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
-    """Greedy decoding (top-k = 1) on the held-out prompts; success = outcome reward ≥ 1."""
+    """Held-out success (outcome reward ≥ 1) with a fixed evaluation key: greedy decoding when
+    `env.eval_greedy`, else the rollout sampling settings (temperature 1 by default)."""
     trajectories = eval_loop.rollout((weights, 0), run.eval_prompts, jax.random.key(0))
     return rollout_metrics(trajectories, "eval")
 
@@ -212,7 +213,7 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
         run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
     )
     steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
-    rollout_loop, eval_loop = run.agent_loop(greedy=False), run.agent_loop(greedy=True)
+    rollout_loop, eval_loop = run.agent_loop(greedy=False), run.agent_loop(greedy=config.env.eval_greedy)
 
     restored = checkpointer.restore_latest(jax.eval_shape(lambda: state)) if resume else None
     if restored is not None:
@@ -328,7 +329,7 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     if restored is None:
         raise FileNotFoundError(f"no readable checkpoint under {Path(config.output_dir) / 'checkpoints'}")
     step, state, _ = restored
-    return {"step": step, **evaluate(run, run.agent_loop(greedy=True), policy_weights(state, graphs))}
+    return {"step": step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), policy_weights(state, graphs))}
 
 
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int):
