@@ -91,11 +91,12 @@ class CriticConfig:
     """The critic and TTUR (ALGORITHMS.md §6–8)."""
 
     updates_per_policy_update: int = 2  # K in TTUR
-    warmup_steps: int = 10  # critic-only steps before the first policy update
+    warmup_steps: int = 5  # critic-only steps before the first policy update (SAO: 10)
     # Regexes over "/"-joined parameter paths (sao_jax.optim): MoE projections + value head train,
     # attention, embeddings and norms are frozen. "w/o frozen attention" is `[".*"]`.
     trainable_patterns: tuple[str, ...] = CRITIC_FROZEN_ATTENTION_TRAINABLE
-    optimizer: OptimizerConfig = OptimizerConfig(lr=5e-6)
+    # The embedded default's tiny models take larger steps than SAO's 30B critic (5e-6).
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-3)
     pretrain_rollouts: int = 256  # value-pretraining corpus size ("scaled value pretraining" = more)
     pretrain_epochs: int = 4
     pretrain_lr: float = 1e-3
@@ -107,7 +108,7 @@ class CriticConfig:
 
 @dataclasses.dataclass(frozen=True)
 class PolicyConfig:
-    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-6)
+    optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4)  # SAO's 30B actor: 1e-6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +143,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 300
+    steps: int = 400
     batch_size: int = 32
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
 
@@ -151,7 +152,7 @@ class SFTConfig:
 class TrainConfig:
     """The RL stage."""
 
-    steps: int = 200
+    steps: int = 150
     batch_size: int = 32
     eval_every: int = 25
     checkpoint_every: int = 25
