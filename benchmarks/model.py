@@ -1,25 +1,33 @@
-"""Forward+backward throughput of the MoE decoder, of a dense decoder with the same active parameter
-count, and of the two MoE dispatches; then the memory of parameters, gradients and critic optimizer
-state with and without the frozen-attention critic (ALGORITHMS.md §7).
+"""Forward+backward throughput of the MoE decoder with each dispatch and of a dense decoder with the
+same active parameter count; then the memory of parameters, gradients and critic optimizer state with
+and without the frozen-attention critic (ALGORITHMS.md §7).
 
-    python benchmarks/model.py            # d_model=512, batch×seq 16×256 and 16×512 (run on an idle machine)
+    python benchmarks/model.py            # d_model=512, 16×256 and 16×512, then cpu_moe (~20 min, 2 cores)
     python benchmarks/model.py --quick    # one tiny shape, 2 repeats: a smoke test (under a minute)
 
 A step is `jax.value_and_grad` of the mean next-token cross-entropy (+ the router aux loss) of a
-Policy, jitted; times are the median of `--repeats` calls after a warm-up call, each ended with
-`block_until_ready`, float32 on the default JAX backend, one device.
+Policy, jitted, float32 on the default JAX backend, one device. Timing is interleaved: each repeat
+calls every variant once (and the `jnp.dot` peak) in turn, so load from other processes hits all
+alike; a time is the median over repeats, after a warm-up call, each ended with `block_until_ready`.
+The 1-minute load average before and after is printed: on a shared machine, compare ratios, not
+absolute rates.
 
 Model FLOPs of a step (PaLM, Chowdhery et al. 2022, appendix B; backward = 2 × forward):
     FLOPs = tokens · (6 · N_active + 12 · L · H · d_head · T)
 N_active: the parameters one token multiplies (`param_count(active=True)`: top-k routed experts,
 shared experts, router, attention, LM head), minus the input embedding, which is a gather. The second
 term is QKᵀ and PV over the whole T×T window, which the model computes (masked) in full.
-MFU-style ratio: model FLOP/s over the median FLOP/s of a square float32 `jnp.dot` (2n³ FLOPs)
-measured in the same process. The "dense dispatch" row runs every expert on every token, so the same
-model FLOPs take it longer: its ratio shows the waste the sorted dispatch avoids.
+MFU-style ratio: model FLOP/s over the FLOP/s of a square float32 `jnp.dot` (2n³ FLOPs) timed in the
+same interleaved loop. Every MoE row is credited the same model FLOPs, so a dispatch that does more
+work shows a lower ratio: "dense" runs every expert on every token (E/k × the expert FLOPs), "sorted"
+(`ragged_dot`) lowers on CPU to a masked dense matmul over all experts, "blocked" pads each expert's
+tokens to whole blocks (dropless), "capacity" pads each expert to ceil(capacity_factor · tokens · k / E)
+slots and drops overflow (the dropped share of assignments, measured on the step's own batch at
+initialisation, is in the last column).
 
 The dense model replaces each MoE block by one SwiGLU of width k · moe_intermediate_size: the same
-active expert parameters; it lacks only the router (d · E per layer).
+active expert parameters; it lacks only the router (d · E per layer). "× dense" is a row's step time
+over the dense model's at the same shape.
 
 Memory (bytes, from abstract shapes: nothing is allocated): parameters; gradients — of all
 parameters, or of the trainable ones only when the critic step differentiates just those; AdamW
@@ -27,6 +35,7 @@ state (two moments per trained parameter) with every parameter trained vs frozen
 """
 
 import argparse
+import os
 import statistics
 import time
 
@@ -36,10 +45,18 @@ import numpy as np
 from flax import nnx
 
 from sao_jax import optim
-from sao_jax.models import Critic, ModelConfig, Policy, glm45_air, param_count, qwen3_30b_a3b
+from sao_jax.models import Critic, ModelConfig, Policy, cpu_moe, glm45_air, param_count, qwen3_30b_a3b
+from sao_jax.models.moe import MoE, capacity_slots, expert_capacity, route
 
 FULL_SHAPES = [(16, 256), (16, 512)]
 QUICK_SHAPES = [(2, 32)]
+MAIN_JOB_SHAPE = (32, 96)  # cpu_moe's training batch: rollout.num_slots × rollout.max_total_tokens
+DISPATCH_ROWS = {
+    "MoE, capacity dispatch": "capacity",
+    "MoE, blocked dispatch": "blocked",
+    "MoE, sorted dispatch": "sorted",
+    "MoE, dense dispatch": "dense",
+}
 
 
 def bench_moe(quick: bool) -> ModelConfig:
@@ -74,48 +91,92 @@ def step_flops(config: ModelConfig, batch: int, seq: int) -> float:
     return batch * seq * (6 * active_matmul_params(config) + attention)
 
 
-def median_seconds(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
+def interleaved_median_seconds(calls: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each zero-argument call; each repeat runs every call once, in turn."""
+    for call in calls.values():
+        jax.block_until_ready(call())  # compile and warm up
+    times = {name: [] for name in calls}
     for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
-def matmul_peak_flops(n: int, repeats: int) -> float:
-    """FLOP/s of a square float32 `jnp.dot` (2n³ FLOPs)."""
+def matmul_peak(n: int):
+    """(call, FLOPs): a square float32 `jnp.dot` of size n (2n³ FLOPs)."""
     a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    return 2 * n**3 / median_seconds(jax.jit(jnp.dot), a, b, repeats=repeats)
+    dot = jax.jit(jnp.dot)
+    return (lambda: dot(a, b)), 2 * n**3
+
+
+def next_token_loss(model: Policy, input_ids: jax.Array) -> jax.Array:
+    """Mean over positions t < T−1 of −log p(x_{t+1} | x_{≤t}) = logsumexp(z_t) − z_t[x_{t+1}], plus
+    `router_aux_loss_coef` · aux loss. Targets are the ids shifted left and the last position is
+    weighted 0: slicing the [batch, time, vocab] logits instead would copy them (~15% of the step)."""
+    logits, _, aux_loss = model.forward(input_ids)
+    targets = jnp.roll(input_ids, -1, axis=1)
+    target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    nll = jax.nn.logsumexp(logits, axis=-1) - target_logits
+    return jnp.mean(nll[:, :-1]) + model.config.router_aux_loss_coef * aux_loss
 
 
 def train_step(graphdef):
-    """(state, input_ids) -> (loss, grads): next-token cross-entropy + router aux loss of a Policy."""
-
-    def loss(state, input_ids):
-        model = nnx.merge(graphdef, state)
-        logits, _, aux_loss = model.forward(input_ids)
-        logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
-        nll = -jnp.take_along_axis(logp, input_ids[:, 1:, None], axis=-1)[..., 0]
-        return jnp.mean(nll) + model.config.router_aux_loss_coef * aux_loss
-
-    return jax.jit(jax.value_and_grad(loss))
+    """(state, input_ids) -> (loss, grads) of `next_token_loss`, jitted."""
+    return jax.jit(jax.value_and_grad(lambda state, input_ids: next_token_loss(nnx.merge(graphdef, state), input_ids)))
 
 
-def throughput_rows(models: dict[str, ModelConfig], shapes, peak: float, repeats: int) -> list[list[str]]:
+def dropped_fraction(policy: Policy, input_ids: jax.Array) -> float:
+    """Share of the real (token, expert) assignments that the capacity dispatch drops, over all MoE
+    layers, for this batch: router logits are captured from one forward and re-routed."""
+    config = policy.config
+    forward = nnx.capture(lambda model, ids: model(ids), nnx.Intermediate, method_outputs=nnx.Intermediate)
+    graphdef, state = nnx.split(policy)
+    _, captured = jax.jit(lambda state, ids: forward(nnx.merge(graphdef, state), ids))(state, input_ids)
+    capacity = expert_capacity(input_ids.size, config.num_experts_per_token, config.num_experts,
+                               config.moe_capacity_factor)  # fmt: skip
+    kept, total = 0, 0
+    for i, layer in enumerate(policy.layers):
+        if isinstance(layer.mlp, MoE):
+            (router_logits,) = captured["layers"][i]["mlp"]["router"]["__call__"].get_value()
+            bias = layer.mlp.router.e_score_correction_bias
+            expert_ids, _, _ = route(router_logits, None if bias is None else bias[...], config)
+            kept += int(jnp.sum(capacity_slots(expert_ids, config.num_experts, capacity)[1]))
+            total += expert_ids.size
+    return 1 - kept / total
+
+
+def throughput_rows(models: dict[str, ModelConfig], shapes, repeats: int, reference: str) -> list[list[str]]:
+    """One row per model and shape; the `jnp.dot` peak and `reference` (for "× dense") are timed in
+    the same interleaved loop."""
     rows = []
-    for name, config in models.items():
-        graphdef, state = nnx.split(Policy(config, rngs=nnx.Rngs(0)))
-        step = train_step(graphdef)
-        for batch, seq in shapes:
+    for batch, seq in shapes:
+        calls, flops, dropped = {}, {}, {}
+        for name, config in models.items():
+            policy = Policy(config, rngs=nnx.Rngs(0))
+            graphdef, state = nnx.split(policy)
+            step = train_step(graphdef)
             input_ids = jax.random.randint(jax.random.key(2), (batch, seq), 0, config.vocab_size)
-            seconds = median_seconds(step, state, input_ids, repeats=repeats)
-            flops = step_flops(config, batch, seq) / seconds
+            calls[name] = lambda step=step, state=state, input_ids=input_ids: step(state, input_ids)
+            flops[name] = step_flops(config, batch, seq)
+            if config.num_experts and config.moe_dispatch == "capacity":
+                dropped[name] = f"{dropped_fraction(policy, input_ids):.1%}"
+        peak_call, peak_flops = matmul_peak(256 if batch * seq <= 256 else 2048)
+        calls["jnp.dot"] = peak_call
+        load_before = os.getloadavg()[0]
+        seconds = interleaved_median_seconds(calls, repeats)
+        load_after = os.getloadavg()[0]
+        peak = peak_flops / seconds.pop("jnp.dot")
+        print(f"{batch}×{seq}: float32 jnp.dot peak {peak / 1e9:.1f} GFLOP/s; "
+              f"1-min load {load_before:.1f} → {load_after:.1f}")  # fmt: skip
+        for name, config in models.items():
+            rate = flops[name] / seconds[name]
             rows.append([
-                name, f"{batch}×{seq}", f"{active_matmul_params(config) / 1e6:.3f}M",
-                f"{seconds * 1e3:.1f}", f"{batch * seq / seconds:,.0f}", f"{flops / 1e9:.1f}", f"{flops / peak:.1%}",
+                name, f"{batch}×{seq}", f"{active_matmul_params(config) / 1e6:.3f}M", f"{seconds[name] * 1e3:.1f}",
+                f"{batch * seq / seconds[name]:,.0f}", f"{rate / 1e9:.1f}", f"{rate / peak:.1%}",
+                f"{seconds[name] / seconds[reference]:.2f}", dropped.get(name, ""),
             ])  # fmt: skip
     return rows
 
@@ -150,22 +211,25 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
-    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 10; quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 5; quick 2)")
     args = parser.parse_args()
-    repeats = args.repeats or (2 if args.quick else 10)
+    repeats = args.repeats or (2 if args.quick else 5)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); median of {repeats}, interleaved\n")
+    header = ["model", "batch×seq", "N_active", "ms/step", "tokens/s", "model GFLOP/s", "of dot peak",
+              "× dense", "dropped"]  # fmt: skip
 
     moe = bench_moe(args.quick)
-    peak = matmul_peak_flops(256 if args.quick else 2048, repeats)
-    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); "
-          f"float32 jnp.dot peak {peak / 1e9:.1f} GFLOP/s; median of {repeats}\n")  # fmt: skip
-    models = {
-        "MoE, sorted dispatch": moe.replace(moe_dispatch="sorted"),
-        "MoE, dense dispatch": moe.replace(moe_dispatch="dense"),
-        "dense, same active": dense_twin(moe),
-    }
-    header = ["model", "batch×seq", "N_active", "ms/step", "tokens/s", "model GFLOP/s", "of dot peak"]
-    print(markdown_table(header, throughput_rows(models, shapes, peak, repeats)))
+    models = {name: moe.replace(moe_dispatch=dispatch) for name, dispatch in DISPATCH_ROWS.items()}
+    models["dense, same active"] = dense_twin(moe)
+    print(markdown_table(header, throughput_rows(models, shapes, repeats, reference="dense, same active")))
+
+    print("\nThe main job's model (`cpu_moe`) at its training batch")
+    small = cpu_moe()
+    models = {name: small.replace(moe_dispatch=dispatch) for name, dispatch in DISPATCH_ROWS.items()}
+    models["dense, same active"] = dense_twin(small)
+    main_shape = [(2, 32)] if args.quick else [MAIN_JOB_SHAPE]
+    print(markdown_table(header, throughput_rows(models, main_shape, repeats, reference="dense, same active")))
 
     print("\nCritic memory, GiB unless marked; gradients of trainable only = frozen-attention step")
     header = ["critic", "params", "grads (all)", "grads (trainable)", "AdamW (all trained)",

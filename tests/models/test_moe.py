@@ -1,5 +1,7 @@
-"""MoE routing, both dispatches and the load-balancing loss against plain numpy loops written from
-the formulas (and transformers' `load_balancing_loss_func`)."""
+"""MoE routing, the three dispatches and the load-balancing loss against plain numpy loops written
+from the formulas (and transformers' `load_balancing_loss_func`)."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -9,21 +11,49 @@ from flax import nnx
 
 from sao_jax.models import tiny_glm4_moe, tiny_qwen3_moe
 from sao_jax.models.config import MOE_DISPATCHES
-from sao_jax.models.moe import DISPATCHES, MoE, dense_dispatch, load_balancing_loss, route, sorted_dispatch
+from sao_jax.models.moe import (
+    DISPATCHES,
+    MoE,
+    blocked_dispatch,
+    capacity_dispatch,
+    capacity_slots,
+    dense_dispatch,
+    expert_capacity,
+    load_balancing_loss,
+    route,
+    sorted_dispatch,
+)
 
 
 def _silu(x):
     return x / (1.0 + np.exp(-x))
 
 
-def _dispatch_reference(x, expert_ids, weights, gate, up, down):
-    """out_t = Σ_j w_tj · (silu(x_t G_e) ⊙ x_t U_e) D_e with e = expert_ids[t, j], one token at a time."""
+def _dispatch_reference(x, expert_ids, weights, gate, up, down, kept=None):
+    """out_t = Σ_j kept_tj · w_tj · (silu(x_t G_e) ⊙ x_t U_e) D_e with e = expert_ids[t, j], one
+    token at a time (kept: all assignments unless given)."""
     out = np.zeros_like(x, dtype=np.float64)
     for t in range(x.shape[0]):
         for j in range(expert_ids.shape[1]):
-            e = expert_ids[t, j]
-            out[t] += weights[t, j] * ((_silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
+            if kept is None or kept[t, j]:
+                e = expert_ids[t, j]
+                out[t] += weights[t, j] * ((_silu(x[t] @ gate[e]) * (x[t] @ up[e])) @ down[e])
     return out
+
+
+def _kept_reference(expert_ids, num_experts, capacity, token_mask):
+    """Which assignments get one of `capacity` slots: first choices of all tokens in token order,
+    then second choices, ...; padding tokens take none."""
+    tokens, k = expert_ids.shape
+    used = [0] * num_experts
+    kept = np.zeros((tokens, k), bool)
+    for j in range(k):
+        for t in range(tokens):
+            e = expert_ids[t, j]
+            if token_mask[t] and used[e] < capacity:
+                kept[t, j] = True
+                used[e] += 1
+    return kept
 
 
 def _uneven_routing(rng, tokens, num_experts, k):
@@ -35,8 +65,8 @@ def _uneven_routing(rng, tokens, num_experts, k):
     return ids.astype(np.int32), rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
 
 
-@pytest.mark.parametrize("tokens,num_experts,k", [(13, 6, 1), (24, 8, 2), (17, 8, 3)])
-def test_dense_and_sorted_dispatch_match_reference(tokens, num_experts, k):
+@pytest.mark.parametrize("tokens,num_experts,k", [(13, 6, 1), (24, 8, 2), (17, 8, 3), (150, 4, 2)])
+def test_every_dispatch_matches_reference(tokens, num_experts, k):
     rng = np.random.default_rng(tokens)
     d, f = 8, 5
     x = rng.normal(size=(tokens, d)).astype(np.float32)
@@ -46,26 +76,105 @@ def test_dense_and_sorted_dispatch_match_reference(tokens, num_experts, k):
     assert np.bincount(expert_ids.ravel(), minlength=num_experts)[-2:].sum() == 0  # empty experts
 
     reference = _dispatch_reference(x, expert_ids, weights, gate, up, down)
-    for dispatch in (dense_dispatch, sorted_dispatch):
+    dropless_capacity = functools.partial(capacity_dispatch, capacity=tokens)
+    for dispatch in (dense_dispatch, sorted_dispatch, dropless_capacity, blocked_dispatch):
         out = dispatch(*map(jnp.asarray, (x, expert_ids, weights, gate, up, down)))
-        np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-4, atol=1e-4, err_msg=dispatch.__name__)
+        np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-4, atol=1e-4, err_msg=str(dispatch))
 
 
-def test_sorted_dispatch_gradients_match_dense():
-    rng = np.random.default_rng(0)
-    tokens, num_experts, k, d, f = 20, 6, 2, 8, 4
+@pytest.mark.parametrize("routing", ["all_to_one_expert", "whole_blocks", "one_past_whole_blocks", "one_token"])
+def test_blocked_dispatch_fits_extreme_routings(routing):
+    """The static block count holds for any routing: everything on one expert, counts that are exact
+    multiples of the block size (8 here), counts one past a multiple (the most blocks: the bound is
+    tight), a single token."""
+    rng = np.random.default_rng(7)
+    num_experts, d, f = 4, 8, 5
+    expert_ids = {
+        "all_to_one_expert": np.zeros((64, 1), np.int32),
+        "whole_blocks": np.repeat(np.array([[0, 1], [2, 3]], np.int32), 32, axis=0),  # 32 per expert
+        "one_past_whole_blocks": np.repeat(np.arange(num_experts, dtype=np.int32), 9)[:, None],  # 2 blocks each
+        "one_token": np.array([[3, 1]], np.int32),
+    }[routing]
+    tokens, k = expert_ids.shape
+    x = rng.normal(size=(tokens, d)).astype(np.float32)
+    weights = rng.uniform(0.1, 1.0, (tokens, k)).astype(np.float32)
+    gate, up = (rng.normal(size=(num_experts, d, f)).astype(np.float32) for _ in range(2))
+    down = rng.normal(size=(num_experts, f, d)).astype(np.float32)
+    out = blocked_dispatch(*map(jnp.asarray, (x, expert_ids, weights, gate, up, down)))
+    expected = _dispatch_reference(x, expert_ids, weights, gate, up, down)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
+
+
+def _dispatch_problem(seed, tokens=20, num_experts=6, k=2, d=8, f=4):
+    rng = np.random.default_rng(seed)
     x = jnp.asarray(rng.normal(size=(tokens, d)), jnp.float32)
-    params = tuple(jnp.asarray(rng.normal(size=s), jnp.float32) for s in
-                   [(num_experts, d, f), (num_experts, d, f), (num_experts, f, d)])  # fmt: skip
+    params = tuple(jnp.asarray(rng.normal(scale=s[1] ** -0.5, size=s), jnp.float32) for s in
+                   [(num_experts, d, f), (num_experts, d, f), (num_experts, f, d)])  # fmt: skip (outputs O(1))
     expert_ids, weights = map(jnp.asarray, _uneven_routing(rng, tokens, num_experts, k))
+    return x, expert_ids, weights, params
 
-    def loss(dispatch, x, weights, params):
+
+def _grads(dispatch, x, expert_ids, weights, params):
+    """Gradients of Σ sin(dispatch(...)) with respect to x, weights and the expert parameters."""
+
+    def loss(x, weights, params):
         return jnp.sum(jnp.sin(dispatch(x, expert_ids, weights, *params)))
 
-    grads_dense = jax.jit(jax.grad(lambda *a: loss(dense_dispatch, *a), argnums=(0, 1, 2)))(x, weights, params)
-    grads_sorted = jax.jit(jax.grad(lambda *a: loss(sorted_dispatch, *a), argnums=(0, 1, 2)))(x, weights, params)
-    for dense, sort in zip(jax.tree.leaves(grads_dense), jax.tree.leaves(grads_sorted)):
-        np.testing.assert_allclose(np.asarray(sort), np.asarray(dense), rtol=1e-4, atol=1e-4)
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(x, weights, params)
+
+
+def test_all_dispatches_have_the_same_gradients_when_nothing_is_dropped():
+    x, expert_ids, weights, params = _dispatch_problem(0)
+    tokens = x.shape[0]
+    grads_dense = _grads(dense_dispatch, x, expert_ids, weights, params)
+    for dispatch in (sorted_dispatch, functools.partial(capacity_dispatch, capacity=tokens), blocked_dispatch):
+        grads = _grads(dispatch, x, expert_ids, weights, params)
+        for dense, other in zip(jax.tree.leaves(grads_dense), jax.tree.leaves(grads)):
+            np.testing.assert_allclose(np.asarray(other), np.asarray(dense), rtol=1e-5, atol=1e-5,
+                                       err_msg=str(dispatch))  # fmt: skip
+
+
+def test_expert_capacity_is_the_even_split_times_the_factor_at_most_all_tokens():
+    assert expert_capacity(tokens=4096, k=2, num_experts=8, capacity_factor=1.25) == 1280
+    assert expert_capacity(tokens=10, k=2, num_experts=6, capacity_factor=1.0) == 4  # ceil(20 / 6)
+    assert expert_capacity(tokens=10, k=2, num_experts=6, capacity_factor=3.0) == 10  # never drops
+
+
+@pytest.mark.parametrize("capacity", [1, 3, 5])
+def test_capacity_slots_queue_first_choices_first_and_skip_padding(capacity):
+    rng = np.random.default_rng(capacity)
+    tokens, num_experts, k = 30, 6, 3
+    expert_ids, _ = _uneven_routing(rng, tokens, num_experts, k)
+    token_mask = rng.uniform(size=tokens) < 0.8
+    _, kept = capacity_slots(jnp.asarray(expert_ids), num_experts, capacity, jnp.asarray(token_mask))
+    expected = _kept_reference(expert_ids, num_experts, capacity, token_mask)
+    assert 0 < expected.sum() < k * token_mask.sum()  # some assignments dropped, some kept
+    np.testing.assert_array_equal(np.asarray(kept), expected)
+
+
+def test_capacity_dispatch_drops_overflowing_assignments():
+    """With few slots, the output is the dense reference without the dropped assignments; their
+    weights get zero gradient and every other gradient is that of the reduced dense sum."""
+    x, expert_ids, weights, params = _dispatch_problem(1, tokens=24)
+    capacity = expert_capacity(24, 2, 6, capacity_factor=1.0)  # 8 slots; the skewed routing overflows
+    token_mask = np.ones(24, bool)
+    token_mask[[3, 17]] = False  # padding: takes no slot, outputs 0
+    kept = _kept_reference(np.asarray(expert_ids), 6, capacity, token_mask)
+    assert 0 < kept.sum() < 2 * token_mask.sum()
+    dispatch = functools.partial(capacity_dispatch, capacity=capacity, token_mask=jnp.asarray(token_mask))
+
+    out = dispatch(x, expert_ids, weights, *params)
+    expected = _dispatch_reference(*map(np.asarray, (x, expert_ids, weights, *params)), kept=kept)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
+
+    def reduced_dense(x, expert_ids, weights, *params):
+        return dense_dispatch(x, expert_ids, weights * kept, *params)
+
+    grads_reduced = _grads(reduced_dense, x, expert_ids, weights, params)
+    grads = _grads(dispatch, x, expert_ids, weights, params)
+    for reduced, got in zip(jax.tree.leaves(grads_reduced), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(reduced), rtol=1e-5, atol=1e-5)
+    assert np.all(np.asarray(grads[1])[~kept] == 0.0)
 
 
 def _route_reference(logits, bias, config):
@@ -161,16 +270,19 @@ def test_load_balancing_loss_matches_transformers_for_one_layer():
 
 
 @pytest.mark.slow
-def test_moe_block_is_the_same_with_either_dispatch():
-    """Same parameters (same init key), dense vs sorted dispatch: same output and aux loss (GLM
-    routing: groups, correction bias, shared expert)."""
+def test_moe_block_is_the_same_with_every_dispatch():
+    """Same parameters (same init key), every dispatch (capacity with enough slots for all): same
+    output at real tokens and same aux loss (GLM routing: groups, correction bias, shared expert)."""
     assert set(DISPATCHES) == set(MOE_DISPATCHES)  # every name the config accepts has a dispatch
     x = jax.random.normal(jax.random.key(0), (2, 5, 32))
     token_mask = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
-    outputs = []
-    for dispatch in ("dense", "sorted"):
-        block = MoE(tiny_glm4_moe(moe_dispatch=dispatch, initializer_range=0.5), rngs=nnx.Rngs(7))
-        outputs.append(nnx.jit(lambda block, x, mask: block(x, mask))(block, x, token_mask))
-    (dense_out, dense_aux), (sorted_out, sorted_aux) = outputs
-    np.testing.assert_allclose(np.asarray(sorted_out), np.asarray(dense_out), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(float(sorted_aux), float(dense_aux), rtol=1e-6)
+    outputs = {}
+    for dispatch in MOE_DISPATCHES:
+        config = tiny_glm4_moe(moe_dispatch=dispatch, initializer_range=0.5, moe_capacity_factor=4.0)  # 8 experts, k 2
+        block = MoE(config, rngs=nnx.Rngs(7))
+        outputs[dispatch] = nnx.jit(lambda block, x, mask: block(x, mask))(block, x, token_mask)
+    dense_out, dense_aux = outputs["dense"]
+    for dispatch, (out, aux) in outputs.items():
+        np.testing.assert_allclose(np.asarray(out)[token_mask], np.asarray(dense_out)[token_mask],
+                                   rtol=1e-5, atol=1e-6, err_msg=dispatch)  # fmt: skip
+        np.testing.assert_allclose(float(aux), float(dense_aux), rtol=1e-6, err_msg=dispatch)
