@@ -17,17 +17,24 @@ import numpy as np
 from sao_jax.config import ConfigError, load_config
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sao-train", description=__doc__.split("\n\n")[0])
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """(args, config), or (args, None) after printing a one-line ConfigError."""
     parser.add_argument("--config", help="YAML config file (may name `base:`)")
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
-    parser.add_argument("--gae-demo", action="store_true", help="print the GAE demo table and exit")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, args.overrides)
+        return args, load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
+        return args, None
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sao-train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    parser.add_argument("--gae-demo", action="store_true", help="print the GAE demo table and exit")
+    args, config = _parse(parser, argv)
+    if config is None:
         return 2
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sao_jax").setLevel(logging.INFO)
@@ -43,16 +50,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def evaluate_main(argv: list[str] | None = None) -> int:
-    """`sao-eval [--config FILE] [key.sub=value ...]`: greedy held-out success of the newest checkpoint
-    in output_dir (the same config as the run that wrote it)."""
+    """`sao-eval [--config FILE] [key.sub=value ...]`: held-out success of the newest checkpoint in
+    output_dir (pass the same config as the run that wrote it)."""
     parser = argparse.ArgumentParser(prog="sao-eval", description=evaluate_main.__doc__.split("\n")[0])
-    parser.add_argument("--config", help="YAML config file of the run")
-    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"ConfigError: {e}", file=sys.stderr)
+    _, config = _parse(parser, argv)
+    if config is None:
         return 2
     from sao_jax.train.loop import evaluate_checkpoint
 
