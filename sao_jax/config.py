@@ -143,7 +143,7 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 400
+    steps: int = 320  # the copy skill switches on between ~250 and ~400 steps: 320 starts RL near 70 %
     batch_size: int = 32
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
 
