@@ -292,9 +292,9 @@ class _EngineBase:
         weights: WeightStore,
         key: jax.Array,
         *,
-        group_size: int,
-        max_staleness: int | None,
-        start_index: int,
+        group_size: int = 1,
+        max_staleness: int | None = None,
+        start_index: int = 0,
     ):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1 (got {group_size})")
@@ -561,22 +561,6 @@ class SyncRolloutEngine(_EngineBase):
     same algorithm runs in lockstep: with the same source, weights and key, two runs are identical.
     Time inside `get_batch` is the rollout time, so it counts as trainer idle time.
     """
-
-    def __init__(
-        self,
-        rollout_fn: RolloutFn,
-        prompts: Iterable[Any],
-        weights: WeightStore,
-        key: jax.Array,
-        *,
-        group_size: int = 1,
-        max_staleness: int | None = None,
-        start_index: int = 0,
-    ):
-        super().__init__(
-            rollout_fn, prompts, weights, key,
-            group_size=group_size, max_staleness=max_staleness, start_index=start_index,
-        )
 
     def get_batch(self, batch_size: int, timeout_s: float | None = None) -> list[Trajectory]:
         """The next `batch_size` kept trajectories; fewer only when the source runs out.
