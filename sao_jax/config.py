@@ -127,6 +127,9 @@ class EnvConfig:
     train_prompts: int = 4096  # size of the training prompt pool (per-prompt baselines key on it)
     eval_prompts: int = 128  # held-out prompts, drawn from a separate stream
     eval_greedy: bool = False  # held-out decoding: greedy (top-k 1), or the rollout sampling settings
+    # Prompt files (JSONL or Parquet with `prompt`, `answer`): when set they replace the generator.
+    train_file: str | None = None
+    eval_file: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +148,9 @@ class RolloutConfig:
 class SFTConfig:
     steps: int = 320  # the copy skill switches on between ~250 and ~400 steps: 320 starts RL near 70 %
     batch_size: int = 32
+    # Share of demonstrations that answer without the tool (`direct_demonstration` of the env class):
+    # a weaker demonstrator, so the starting policy sometimes skips the tool and RL must learn it pays.
+    direct_answer_fraction: float = 0.0
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
 
 
@@ -172,6 +178,33 @@ class TrainConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """The device mesh (axes of `sao_jax.models.sharding`); one axis may be -1 = the remaining devices.
+
+    With `rollout_devices` > 0 (async mode) that many devices are split off for the sampler's own
+    sub-mesh and the trainer's mesh is built from the rest.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    expert: int = 1
+    tensor: int = 1
+    rollout_devices: int = 0
+
+    def shape(self) -> dict[str, int]:
+        return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
+
+    def problems(self) -> list[tuple[str, str]]:
+        sizes = self.shape()
+        out = [(n, f"must be >= 1 or -1 (got {v})") for n, v in sizes.items() if v == 0 or v < -1]
+        if sum(v == -1 for v in sizes.values()) > 1:
+            out.append(("fsdp", "at most one mesh axis may be -1"))
+        if self.rollout_devices < 0:
+            out.append(("rollout_devices", f"must be >= 0 (got {self.rollout_devices})"))
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     """One run. `seed` and `output_dir` always exist (the CLI contract)."""
 
@@ -186,6 +219,7 @@ class Config:
     critic: CriticConfig = CriticConfig()
     policy: PolicyConfig = PolicyConfig()
     train: TrainConfig = TrainConfig()
+    mesh: MeshConfig = MeshConfig()
 
 
 def load_config(

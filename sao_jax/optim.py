@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -116,6 +117,18 @@ def train_only(tx: optax.GradientTransformation, trainable_patterns: Sequence[st
     return optax.partition(
         {TRAINABLE: tx, FROZEN: optax.set_to_zero()},
         lambda params: label_params(params, patterns),
+    )
+
+
+def zero_frozen(grads: Any, trainable_patterns: Sequence[str]) -> Any:
+    """`grads` with every frozen leaf replaced by constant zeros.
+
+    `train_only` already ignores frozen gradients; zeroing them where they are made lets XLA drop
+    their computation (the weight gradients of frozen attention) instead of computing and discarding it.
+    """
+    labels = label_params(grads, tuple(trainable_patterns))
+    return jax.tree.map(
+        lambda label, g: g if label == TRAINABLE else jax.tree.map(jnp.zeros_like, g), labels, grads
     )
 
 

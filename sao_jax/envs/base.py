@@ -13,8 +13,9 @@ An episode (the agent loop drives it; one environment object per trajectory, che
 
 Conventions shared by all environments here:
   * Texts are short printable ASCII with newlines (the built-in character tokenizer's alphabet).
-  * Every action is one line: `stop_strings == ("\\n",)`. `step` accepts the action with or without its
-    trailing stop string (a sampler that hit its token limit returns it without).
+  * Every action is one line: `stop_strings == ("\\n",)` (TIR's multi-line messages stop at "@"). `step`
+    accepts the action with or without its trailing stop string (a sampler that hit its token limit
+    returns it without).
   * Observations end with "\\n". When `done` is True the observation is "" — a trajectory ends with an
     action, and the outcome reward belongs to that last action.
   * A malformed action is the policy's mistake, not an error: it gets an `<err>...</err>` observation and

@@ -127,6 +127,13 @@ class CalculatorEnv(EpisodicEnv):
     def demonstration(cls, prompt: Prompt) -> list[str]:
         return [f"<{cls.tool_tag}>{prompt.metadata['expression']}</{cls.tool_tag}>{STOP}", f"A: {prompt.answer}{STOP}"]
 
+    @staticmethod
+    def direct_demonstration(prompt: Prompt) -> list[str]:
+        """The answer without the tool: ["A: VALUE\\n"]. Copying this teaches guessing, which a small
+        model cannot do well beyond one-digit sums: a weaker demonstrator mixed into SFT leaves RL a
+        decision to learn (when to call the tool)."""
+        return [f"A: {prompt.answer}{STOP}"]
+
     def _act(self, action: str) -> StepResult:
         open_tag, close_tag = f"<{self.tool_tag}>", f"</{self.tool_tag}>"
         if action.startswith(open_tag) and action.endswith(close_tag):

@@ -84,7 +84,8 @@ class AgentLoopConfig:
       length. max_action_tokens: most tokens of one action.
     max_turns: most environment steps per trajectory, on top of the environment's own `max_turns`
       (None: only the environment's). env_timeout_s: deadline of one reset or step call.
-    add_bos: start every trajectory with the tokenizer's `bos_id`.
+    add_bos: start every trajectory with the tokenizer's `bos_id` (skipped when it is None: chat
+        templates write their own start tokens).
     lockstep: wait for every pending environment call before the next decode chunk, and apply the
       results in slot order. The sequence of prefill/decode calls is then a function of the inputs
       alone, not of thread timing — the deterministic training mode. Without it, rows whose
@@ -386,7 +387,7 @@ class AgentLoop:
             episode.stop_ids = np.full(MAX_STOP_IDS, -1, np.int32)
             episode.stop_ids[: len(stop_ids)] = stop_ids
             tokens = self._encode(text, "env.reset")
-            if config.add_bos:
+            if config.add_bos and self.tokenizer.bos_id is not None:
                 tokens = np.concatenate([[self.tokenizer.bos_id], tokens]).astype(np.int32)
             if len(tokens) == 0 or len(tokens) >= config.max_total_tokens:
                 raise EnvFailure("prompt_too_long" if len(tokens) else "invalid_result",

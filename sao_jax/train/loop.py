@@ -141,11 +141,16 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
     update = make_sft_update(graph, buffers, tx)
     opt_state = tx.init(params)
     rng = np.random.default_rng([run.config.seed, _SFT])
+
+    def demonstrate(prompt):
+        if cfg.direct_answer_fraction and rng.random() < cfg.direct_answer_fraction:
+            return run.env_cls.direct_demonstration(prompt)
+        return run.env_cls.demonstration(prompt)
+
     with tqdm(range(cfg.steps), desc="sft", leave=False) as bar:
         for i in bar:
             prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.batch_size)]
-            demos = [demonstration_trajectory(run.env_factory(p), p, run.env_cls.demonstration(p), run.tokenizer)
-                     for p in prompts]  # fmt: skip
+            demos = [demonstration_trajectory(run.env_factory(p), p, demonstrate(p), run.tokenizer) for p in prompts]
             batch = collate(demos, batch_size=cfg.batch_size, buckets=run.buckets)
             params, opt_state, metrics = update(params, opt_state, batch)
             if i % 25 == 0 or i == cfg.steps - 1:

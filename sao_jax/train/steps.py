@@ -30,7 +30,7 @@ import optax
 from flax import nnx, struct
 
 from sao_jax import advantages as adv
-from sao_jax import losses
+from sao_jax import losses, optim
 from sao_jax.config import Config
 from sao_jax.rollout.trajectory import TrajectoryBatch
 
@@ -170,6 +170,7 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config) -> Update:
     estimator = ADVANTAGE_ESTIMATORS[config.advantage.estimator]
     gamma, lam = config.advantage.gamma, config.advantage.lam_critic
     aux_coef = graphs.critic_aux_coef
+    trainable = config.critic.trainable_patterns
 
     def value_update(state: TrainState, batch: TrajectoryBatch, key: jax.Array):
         del key  # deterministic; the signature is shared by all steps
@@ -182,6 +183,7 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config) -> Update:
             return loss + aux_coef * aux_loss, {**metrics, "value_loss": loss, "router_aux_loss": aux_loss}
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.critic_params)
+        grads = optim.zero_frozen(grads, trainable)  # frozen attention: no weight gradients computed
         params, opt_state = _optimizer_step(critic_tx, state.critic_params, state.critic_opt_state, grads)
         metrics |= {"grad_norm": optax.global_norm(grads), "skipped_updates": skipped_updates(opt_state)}
         state = state.replace(critic_params=params, critic_opt_state=opt_state)

@@ -163,7 +163,8 @@ def test_registry_builds_every_environment_and_names_close_matches():
         env = make_env(name)
         prompt = cls.generate_prompts(np.random.default_rng(0), 1)[0]
         assert env.reset(prompt) == prompt.text and env.max_turns >= 1
-        assert isinstance(env, Environment) and env.stop_strings == ("\n",)
+        # Every action is one line, except TIR's multi-line messages (stop "@", one character token).
+        assert isinstance(env, Environment) and env.stop_strings == (("@",) if name == "tir" else ("\n",))
     with pytest.raises(ValueError, match="did you mean 'calculator'"):
         environment_class("calculater")
 
