@@ -1,0 +1,569 @@
+"""Reproduce the paper's ablations: every config of a suite for N seeds, then a table and plots.
+
+    python scripts/reproduce.py --suite table4 --seeds 3      # runs -> results/table4/<row>/seed<k>/
+                                                              # report -> results/table4.md, results/table4/*.png
+    python scripts/reproduce.py --suite all --quick           # smoke run, 1 seed, tiny budgets -> results/quick/
+    python scripts/reproduce.py --suite open --report-only    # tables and plots from the metrics already there
+    python scripts/reproduce.py --suite table5 --seeds 3 train.steps=400   # key=value overrides for every run
+
+Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 4 + GRPO+DIS), table5
+(step- vs token-level GAE), online (style switches, SAO vs a global running mean), open (skip- vs
+cross-observation GAE on the guessing game; DIS vs ESTR at a matched step-0 masked fraction).
+
+Runs: seed k = 0..N−1, output_dir = OUT/<suite>/<row>/seed<k>. Resumable: a run whose summary.json
+exists is skipped, a run whose folder holds its config.yaml but no summary is resumed
+(`train(config, resume=True)` continues from its newest checkpoint, or starts over if it has none).
+A folder whose config.yaml differs from the config it would run now is an error, not a silent mix of
+two settings. Each run calls `sao_jax.train.loop.train` in this process (not a `sao-train`
+subprocess): no interpreter and JAX start per run, one persistent XLA compilation cache for the
+whole suite, and the runner is testable with a stub in place of `train`. A run that raises is
+reported and the suite goes on (rerun the command to resume it).
+
+Report (from metrics.jsonl files alone): per row, over seeds, mean ± 95 % CI
+(t-distribution, n−1 degrees of freedom) of the final held-out success (the last `eval/success_rate`),
+its maximum, and the area under the held-out success curve normalised by the steps it spans
+(= the time-average success, ours); the paper's numbers beside them, and whether the row's direction
+against the reference row (SAO's design) agrees with the paper's. Plots: held-out success vs step
+with 95 % CI bands; online: per-step share of each style with the switches marked, and steps to
+realign; open (b): masked fraction and masked-token entropy per step, DIS vs ESTR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import sys
+import tempfile
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_DIR = ROOT / "configs" / "ablations"
+SUCCESS_KEY = "eval/success_rate"
+# Online experiment: the trainer logs, per RL step, the rewarded style and the share of the step's
+# trajectories whose text reads as each style (`sao_jax.envs.judges.style_of`).
+TARGET_STYLE_KEY = "train/target_style"
+STYLE_SHARE_PREFIX = "train/style_share/"
+ESTR_CALIBRATION_FILE = "estr_calibration.json"
+
+
+# ----------------------------------------------------------------------------------- the suites
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str  # configs/ablations/<suite>/<name>.yaml and the run folder
+    label: str
+    paper: tuple[float | None, ...] = ()  # one per Comparison.paper_columns; None = not reported
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """Rows weighed against one reference row (SAO's design), in one table and one plot."""
+
+    slug: str  # its plot: OUT/<suite>/<slug>.png
+    title: str
+    reference: str
+    rows: tuple[Row, ...]
+    paper_columns: tuple[str, ...] = ()
+    per_step: tuple[tuple[str, str], ...] = ()  # extra per-step curves: (metric key, label)
+    styles: bool = False  # the online experiment's style shares and realignment
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    comparisons: tuple[Comparison, ...]
+    quick_overrides: tuple[str, ...] = ()  # added under --quick, after the budget caps
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return tuple(row for c in self.comparisons for row in c.rows)
+
+
+SUITES: dict[str, Suite] = {
+    "table4": Suite((Comparison(
+        "success", "Table 4: single-rollout design ablations (+ GRPO+DIS)", "sao",
+        (Row("sao", "SAO", (97.3, 74.8, 29.8)),
+         Row("no_faster_value", "w/o faster value", (95.0, 69.8, None)),
+         Row("no_frozen_attention", "w/o frozen attention", (90.6, 74.5, None)),
+         Row("vanilla_vapo", "Vanilla VAPO (no DIS)", (91.3, 69.0, None)),
+         Row("running_mean", "Running-mean baseline", (79.8, 55.3, None)),
+         Row("grpo_dis", "GRPO+DIS (group of 8)", (None, None, 27.0))),
+        paper_columns=("AIME2025", "BeyondAIME", "SWE-Bench Verified"),
+    ),)),
+    "table5": Suite((Comparison(
+        "success", "Table 5: step- vs token-level GAE", "token_level",
+        (Row("token_level", "token-level (skip-observation)", (89.8,)),
+         Row("step_average", "step-average", (85.8,)),
+         Row("step_last_token", "step-last-token", (87.3,))),
+        paper_columns=("AIME2025 @ 400 steps",),
+    ),)),
+    "online": Suite((Comparison(
+        "success", "Online style shift: SAO vs running-mean baseline (global window 128)", "sao",
+        (Row("sao", "SAO"), Row("running_mean", "running mean (global, 128)")), styles=True,
+    ),), quick_overrides=("env.options.switches=[[0, cute], [2, chuunibyou], [4, classical]]",)),
+    "open": Suite((
+        Comparison("observation", "Open (a): skip- vs cross-observation GAE, guessing game, same critic",
+                   "skip_observation", (Row("skip_observation", "skip-observation GAE"),
+                                        Row("cross_observation", "cross-observation GAE"))),
+        Comparison("keep_rule", "Open (b): DIS vs ESTR keep rule, matched step-0 masked fraction, async", "dis",
+                   (Row("dis", "DIS"), Row("estr", "ESTR (τ calibrated)")),
+                   per_step=(("policy/masked_fraction", "masked fraction"),
+                             ("policy/masked_entropy_mean", "masked-token entropy"))),
+    )),
+}
+# --quick: each budget is capped (min(config value, cap), so a 0 in a config — a critic-free row's
+# value pretraining — stays 0). Eight trajectories a step still hold one GRPO group of 8.
+QUICK_CAPS: dict[str, int] = {
+    "sft.steps": 20, "sft.batch_size": 8, "critic.pretrain_rollouts": 16, "critic.pretrain_epochs": 1,
+    "critic.warmup_steps": 1, "train.steps": 6, "train.batch_size": 8, "train.eval_every": 3,
+    "train.checkpoint_every": 3, "env.train_prompts": 64, "env.eval_prompts": 16, "rollout.num_slots": 8,
+}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------- running
+
+
+def config_file(suite: str, row: str) -> Path:
+    return CONFIG_DIR / suite / f"{row}.yaml"
+
+
+def run_dir(out: Path, suite: str, row: str, seed: int) -> Path:
+    return Path(out) / suite / row / f"seed{seed}"
+
+
+def quick_overrides(config: Any, suite: Suite) -> list[str]:
+    """The --quick budget caps for `config`, then the suite's own quick settings."""
+    caps = []
+    for key, cap in QUICK_CAPS.items():
+        value = functools.reduce(getattr, key.split("."), config)
+        caps.append(f"{key}={min(value, cap)}")
+    return [*caps, *suite.quick_overrides]
+
+
+def estr_tau_override(config: Any, output_dir: Path) -> list[str]:
+    """`loss.estr_tau=τ` with τ calibrated at step 0 (`calibrate_estr_at_start`), cached per run."""
+    cache = output_dir / ESTR_CALIBRATION_FILE
+    if cache.exists():
+        calibration = json.loads(cache.read_text())
+    else:
+        calibration = calibrate_estr_at_start(config)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        cache.write_text(json.dumps(calibration, indent=2))
+    return [f"loss.estr_tau={calibration['estr_tau']!r}"]
+
+
+# Rows whose config needs a value measured at run time: (suite, row) -> (config, output_dir) -> overrides.
+CALIBRATIONS: dict[tuple[str, str], Callable[[Any, Path], list[str]]] = {("open", "estr"): estr_tau_override}
+
+
+def calibrate_estr_at_start(config: Any) -> dict[str, float]:
+    """ESTR's τ such that ESTR and DIS mask the same fraction of action tokens at step 0.
+
+    The starting policy (this seed's SFT, exactly as `train` makes it) rolls out the prompts of RL
+    step 1 with the rollout sampling settings; the trainer's forward gives log π_θ. With
+    q = the fraction of action tokens DIS masks (`dis_mask`, the config's ε_low/ε_high), τ is
+    `calibrate_estr_tau(..., target_masked_fraction=q)`: the (1−q) quantile of δ²/(H + ε).
+    When q = 0 (no train/inference mismatch) every τ above the largest score matches; this returns
+    2 × the largest score, the rule of `calibrate_estr_tau` for an empty masked set.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from sao_jax import losses
+    from sao_jax.metrics import MetricsWriter
+    from sao_jax.rollout.trajectory import collate
+    from sao_jax.train import loop
+    from sao_jax.train import steps as steps_lib
+
+    run = loop.build_run(config)
+    graph, _, buffers = steps_lib.split_model(run.policy)
+    with tempfile.TemporaryDirectory() as scratch, MetricsWriter(scratch, tensorboard=False) as writer:
+        params = loop.run_sft(run, writer)
+    weights = nnx.state(nnx.merge(graph, params, buffers))
+    trajectories, _ = loop.LockstepBatches(run, run.agent_loop(greedy=False)).next(1, weights)
+    batch = collate(trajectories, batch_size=config.train.batch_size, buckets=run.buckets)
+    logits, _ = jax.jit(steps_lib.policy_logits, static_argnums=0)(graph, params, buffers, batch)
+    logp = losses.token_logprobs(logits, batch.tokens)
+    action = jnp.asarray(batch.action_mask, bool)
+    cfg = config.loss
+    dis_keep = losses.dis_mask(logp, batch.rollout_logprobs, eps_low=cfg.eps_low, eps_high=cfg.eps_high)
+    dis_masked = float(jnp.sum(action & ~dis_keep) / jnp.sum(action))
+    tau = float(losses.calibrate_estr_tau(logp, batch.rollout_logprobs, batch.rollout_entropy, action,
+                                          target_masked_fraction=dis_masked, eps=cfg.estr_eps))  # fmt: skip
+    estr_keep = losses.estr_mask(logp, batch.rollout_logprobs, batch.rollout_entropy, tau=tau, eps=cfg.estr_eps)
+    return {
+        "estr_tau": tau,
+        "dis_masked_fraction": dis_masked,
+        "estr_masked_fraction": float(jnp.sum(action & ~estr_keep) / jnp.sum(action)),
+        "action_tokens": int(jnp.sum(action)),
+        "max_abs_log_ratio": float(jnp.max(jnp.where(action, jnp.abs(logp - batch.rollout_logprobs), 0.0))),
+    }
+
+
+def _plain(tree: Any) -> Any:
+    """A config dict as YAML reads it back (tuples become lists)."""
+    return json.loads(json.dumps(tree))
+
+
+def _differences(a: Mapping[str, Any], b: Mapping[str, Any], prefix: str = "") -> list[str]:
+    keys = []
+    for key in sorted(set(a) | set(b)):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, Mapping) and isinstance(y, Mapping):
+            keys += _differences(x, y, f"{prefix}{key}.")
+        elif x != y:
+            keys.append(f"{prefix}{key}")
+    return keys
+
+
+def run_one(path: Path, output_dir: Path, seed: int, overrides: Sequence[str], *, train_fn: Callable,
+            calibrate: Callable[[Any, Path], list[str]] | None = None) -> str:  # fmt: skip
+    """Run (or skip, or resume) one config; returns "skipped", "resumed" or "ran"."""
+    from sao_jax.config import load_config, to_dict
+
+    placement = [f"seed={seed}", f"output_dir={output_dir}"]
+    config = load_config(path, [*overrides, *placement])
+    if calibrate is not None:
+        config = load_config(path, [*overrides, *calibrate(config, output_dir), *placement])
+    saved = output_dir / "config.yaml"  # `train` writes it first: the folder holds a (maybe partial) run
+    if saved.exists():
+        changed = [k for k in _differences(yaml.safe_load(saved.read_text()), _plain(to_dict(config)))
+                   if k != "output_dir"]  # the same folder, however --out was spelled
+        if changed:
+            raise RuntimeError(f"{output_dir} holds a run of a different config (differs in {', '.join(changed)}); "
+                               "remove the folder or pick another --out")  # fmt: skip
+    if (output_dir / "summary.json").exists():
+        return "skipped"
+    resumed = saved.exists()
+    train_fn(config, resume=resumed)
+    return "resumed" if resumed else "ran"
+
+
+def run_suite(suite_name: str, seeds: int, out: Path, *, overrides: Sequence[str] = (), quick: bool = False,
+              train_fn: Callable | None = None, log: Callable[[str], None] = print,
+              ) -> dict[str, list[str]]:  # fmt: skip
+    """Every row x seed of a suite; returns {"skipped"|"resumed"|"ran"|"failed": [run folders]}."""
+    from sao_jax.config import load_config
+
+    if train_fn is None:
+        from sao_jax.train.loop import train as train_fn
+    suite = SUITES[suite_name]
+    outcome: dict[str, list[str]] = {"skipped": [], "resumed": [], "ran": [], "failed": []}
+    for row in suite.rows:
+        path = config_file(suite_name, row.name)
+        for seed in range(seeds):
+            output_dir = run_dir(out, suite_name, row.name, seed)
+            try:
+                extra = quick_overrides(load_config(path, overrides), suite) if quick else []
+                status = run_one(path, output_dir, seed, [*extra, *overrides], train_fn=train_fn,
+                                 calibrate=CALIBRATIONS.get((suite_name, row.name)))
+            except Exception:  # noqa: BLE001 — one broken row must not stop the others; it is reported
+                log(f"FAILED {output_dir}:\n{traceback.format_exc()}")
+                status = "failed"
+            log(f"{status:8s} {output_dir}")
+            outcome[status].append(str(output_dir))
+    return outcome
+
+
+# ------------------------------------------------------------------------------------ statistics
+
+# Two-sided 95 % critical values t_{0.975, df} of Student's t (standard tables); a df between entries
+# uses the next smaller tabled df, which is conservative (a wider interval).
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262,
+         10: 2.228, 11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110,
+         18: 2.101, 19: 2.093, 20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060,
+         26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}  # fmt: skip
+
+
+def t_critical_95(df: int) -> float:
+    if df < 1:
+        raise ValueError(f"t_critical_95: degrees of freedom must be >= 1 (got {df})")
+    return T_975[max(k for k in T_975 if k <= df)]
+
+
+def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
+    """(mean, half-width) of the 95 % t-interval: x̄ ± t_{0.975, n−1} · s/√n, s the sample standard
+    deviation (n−1 in the denominator). Half-width NaN for a single value."""
+    x = np.asarray(values, float)
+    if x.size == 0:
+        raise ValueError("mean_ci95: no values")
+    if x.size == 1:
+        return float(x[0]), math.nan
+    return float(x.mean()), t_critical_95(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+
+
+def eval_curve(lines: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, held-out success) of a run's evaluation lines, by step."""
+    points = sorted((line["step"], line[SUCCESS_KEY]) for line in lines if line.get(SUCCESS_KEY) is not None)
+    steps, success = zip(*points) if points else ((), ())
+    return np.asarray(steps, float), np.asarray(success, float)
+
+
+def run_scores(lines: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """Final and max held-out success, and the area under the success curve / the steps it spans
+    (trapezoid rule; a single evaluation is its own average)."""
+    steps, success = eval_curve(lines)
+    if not len(steps):
+        raise ValueError(f"no {SUCCESS_KEY} line in the metrics")
+    span = steps[-1] - steps[0]
+    auc = float(np.sum((success[1:] + success[:-1]) / 2 * np.diff(steps)) / span) if span > 0 else float(success[0])
+    return {"final": float(success[-1]), "max": float(success.max()), "auc": auc}
+
+
+def per_step(runs: Sequence[Sequence[Mapping[str, Any]]], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, 95 % half-width) of `key` over runs, at the steps every run logged it (the last
+    line of a step wins)."""
+    by_run = [{line["step"]: line[key] for line in lines if line.get(key) is not None} for lines in runs]
+    steps = sorted(set.intersection(*(set(d) for d in by_run))) if by_run else []
+    stats = [mean_ci95([d[s] for d in by_run]) for s in steps]
+    mean, half = (np.asarray(v, float) for v in zip(*stats)) if stats else (np.zeros(0), np.zeros(0))
+    return np.asarray(steps, float), mean, half
+
+
+def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold: float = 0.5) -> list[dict[str, Any]]:
+    """Steps to realign after each switch of the rewarded style (ours): after a switch at step s to
+    style S, the first logged step t ≥ s from which S's share is ≥ `threshold` on `hold` consecutive
+    logged steps (within the segment before the next switch); steps = t − s, None if never."""
+    logged = sorted((line["step"], line) for line in lines if line.get(TARGET_STYLE_KEY) is not None)
+    steps = [s for s, _ in logged]
+    targets = [line[TARGET_STYLE_KEY] for _, line in logged]
+    starts = [i for i in range(1, len(targets)) if targets[i] != targets[i - 1]]
+    out = []
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(logged)
+        style = targets[start]
+        ok = [(line.get(STYLE_SHARE_PREFIX + style) or 0.0) >= threshold for _, line in logged[start:end]]
+        first = next((i for i in range(len(ok) - hold + 1) if all(ok[i:i + hold])), None)
+        out.append({"switch_step": steps[start], "style": style,
+                    "steps": None if first is None else steps[start + first] - steps[start]})  # fmt: skip
+    return out
+
+
+# ------------------------------------------------------------------------------------- the report
+
+
+def load_runs(out: Path, suite: str, row: str) -> dict[int, list[dict[str, Any]]]:
+    """{seed: metrics lines} of the finished runs (summary.json written) of one row."""
+    from sao_jax.metrics import read_metrics
+
+    runs = {}
+    for folder in sorted((Path(out) / suite / row).glob("seed*")):
+        if (folder / "summary.json").exists() and (folder / "metrics.jsonl").exists():
+            runs[int(folder.name[len("seed"):])] = read_metrics(folder / "metrics.jsonl")
+    return runs
+
+
+def _fmt(mean: float, half: float, scale: float = 100.0) -> str:
+    if math.isnan(half):
+        return f"{scale * mean:.1f}"
+    return f"{scale * mean:.1f} ± {scale * half:.1f}"
+
+
+def _sign(x: float) -> int:
+    return (x > 0) - (x < 0)
+
+
+def direction(comparison: Comparison, row: Row, ours: dict[str, list[float]]) -> str:
+    """Whether our final-success difference to the reference row has the paper's sign."""
+    reference = next(r for r in comparison.rows if r.name == comparison.reference)
+    paper = {_sign(p - q) for p, q in zip(row.paper, reference.paper) if p is not None and q is not None}
+    if not paper or row.name not in ours or reference.name not in ours:
+        return "—"
+    if len(paper) > 1:
+        return "paper mixed"
+    (mean_row, half_row), (mean_ref, half_ref) = mean_ci95(ours[row.name]), mean_ci95(ours[reference.name])
+    ours = _sign(mean_row - mean_ref)
+    verdict = "tie" if ours == 0 else "agrees" if ours == paper.pop() else "disagrees"
+    if math.isnan(half_row) or math.isnan(half_ref):
+        return f"{verdict} (1 seed)"
+    overlap = abs(mean_row - mean_ref) <= half_row + half_ref
+    return f"{verdict} (CIs overlap)" if overlap else verdict
+
+
+def comparison_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
+    finals = {name: [run_scores(metrics)["final"] for metrics in by_seed.values()]
+              for name, by_seed in runs.items() if by_seed}  # fmt: skip
+    reference_label = next(r.label for r in comparison.rows if r.name == comparison.reference)
+    header = ["row", "config", "seeds", "final success %", "max success %", "AUC %",
+              f"Δ final vs {reference_label}", *(f"paper {c}" for c in comparison.paper_columns)]  # fmt: skip
+    if comparison.paper_columns:
+        header.append("direction vs paper")
+    table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for row in comparison.rows:
+        scores = [run_scores(metrics) for metrics in runs.get(row.name, {}).values()]
+        cells = [row.label, f"`{row.name}.yaml`", str(len(scores))]
+        if scores:
+            cells += [_fmt(*mean_ci95([s[k] for s in scores])) for k in ("final", "max", "auc")]
+            ref = finals.get(comparison.reference)
+            cells.append("—" if row.name == comparison.reference or not ref
+                         else f"{100 * (np.mean(finals[row.name]) - np.mean(ref)):+.1f}")  # fmt: skip
+        else:
+            cells += ["not run"] * 3 + ["—"]
+        cells += ["—" if p is None else f"{p:.1f}" for p in row.paper]
+        if comparison.paper_columns:
+            cells.append("—" if row.name == comparison.reference else direction(comparison, row, finals))
+        table.append("| " + " | ".join(cells) + " |")
+    return table
+
+
+def realignment_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
+    per_row = {row.name: [realignment(lines) for lines in runs.get(row.name, {}).values()] for row in comparison.rows}
+    switches = next((r for found in per_row.values() for r in found if r), [])
+    if not switches:
+        return [f"No `{TARGET_STYLE_KEY}` switches in the metrics: steps to realign cannot be measured."]
+    header = ["row", *(f"→ {s['style']} at step {s['switch_step']}" for s in switches)]
+    lines = ["Steps to realign (new style ≥ 50 % of a step's trajectories on 5 consecutive steps), "
+             "mean ± 95 % CI over the seeds that realigned:", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    for row in comparison.rows:
+        cells = [row.label]
+        for k in range(len(switches)):
+            got = [found[k]["steps"] for found in per_row[row.name] if len(found) > k]
+            done = [g for g in got if g is not None]
+            text = _fmt(*mean_ci95(done), scale=1.0) if done else "—"
+            cells.append(f"{text} ({len(done)}/{len(got)} realigned)" if got else "not run")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _band(ax, steps, mean, half, label):
+    (line,) = ax.plot(steps, mean, label=label)
+    if len(half) and not np.all(np.isnan(half)):
+        ax.fill_between(steps, mean - half, mean + half, color=line.get_color(), alpha=0.2)
+
+
+def plot_comparison(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], folder: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    panels = ((SUCCESS_KEY, "held-out success"), *comparison.per_step)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 3.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], panels):
+        for row in comparison.rows:
+            seeds = list(runs.get(row.name, {}).values())
+            if seeds:
+                _band(ax, *per_step(seeds, key), f"{row.label} (n={len(seeds)})")
+        ax.set(title=label, xlabel="step")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{comparison.title} — mean, 95 % CI band")
+    fig.tight_layout()
+    written.append(folder / f"{comparison.slug}.png")
+    fig.savefig(written[-1], dpi=100)
+    plt.close(fig)
+    if comparison.styles:
+        written.append(_plot_styles(comparison, runs, folder))
+    return written
+
+
+def _plot_styles(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], folder: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(comparison.rows), figsize=(5.5 * len(comparison.rows), 3.8), squeeze=False)
+    for ax, row in zip(axes[0], comparison.rows):
+        seeds = list(runs.get(row.name, {}).values())
+        keys = sorted({k for lines in seeds for line in lines for k in line if k.startswith(STYLE_SHARE_PREFIX)})
+        for key in keys:
+            _band(ax, *per_step(seeds, key), key[len(STYLE_SHARE_PREFIX):])
+        for found in realignment(seeds[0]) if seeds else []:
+            ax.axvline(found["switch_step"], color="k", linestyle="--", linewidth=1)
+            ax.annotate(f"→ {found['style']}", (found["switch_step"], 1.0), fontsize=8, va="top")
+        ax.set(title=f"{row.label} (n={len(seeds)})", xlabel="step", ylabel="share of trajectories", ylim=(0, 1.05))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.suptitle("Per-step share of each style (dashed: switch of the rewarded style)")
+    fig.tight_layout()
+    path = folder / "style_share.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def calibration_notes(paths: Sequence[Path]) -> list[str]:
+    """One line per seed's ESTR calibration file, flagging a vacuous match (DIS masks nothing)."""
+    if not paths:
+        return []
+    text = ["", "ESTR τ calibrated per seed at step 0 (to DIS's masked fraction on a rollout of the starting policy):",
+            ""]
+    for path in paths:
+        c = json.loads(path.read_text())
+        text.append(f"- {path.parent.name}: τ = {c['estr_tau']:.4g}; masked fraction DIS {c['dis_masked_fraction']:.4%}, "
+                    f"ESTR {c['estr_masked_fraction']:.4%} of {c['action_tokens']} action tokens; "
+                    f"max |log π_θ − log μ| = {c['max_abs_log_ratio']:.3g}")  # fmt: skip
+        if c["dis_masked_fraction"] == 0:
+            text[-1] += (" — DIS masks nothing at step 0 (no train/inference mismatch), so τ sits at float-noise "
+                         "scale and ESTR drops nearly every off-policy token")
+    return text
+
+
+def write_report(suite_name: str, out: Path) -> Path:
+    """OUT/<suite>.md and OUT/<suite>/*.png from the finished runs' metrics.jsonl files."""
+    suite = SUITES[suite_name]
+    out = Path(out)
+    text = [f"# {suite_name}: reproduction of the paper's ablations", "",
+            f"Generated by `scripts/reproduce.py` from `{out / suite_name}/<row>/seed<k>/metrics.jsonl` (finished "
+            "runs only). Success is held-out success in %, mean ± 95 % CI (t, n−1 df) over seeds; AUC = area "
+            "under the held-out success curve / the steps it spans. The paper's numbers are its benchmarks "
+            "(not this task): only the direction of each row against the reference row is comparable."]  # fmt: skip
+    for comparison in suite.comparisons:
+        runs = {row.name: load_runs(out, suite_name, row.name) for row in comparison.rows}
+        text += ["", f"## {comparison.title}", "", *comparison_table(comparison, runs)]
+        if comparison.styles:
+            text += ["", *realignment_table(comparison, runs)]
+        plots = plot_comparison(comparison, runs, out / suite_name)
+        text += ["", *(f"![{p.stem}]({suite_name}/{p.name})" for p in plots)]
+        folders = [out / suite_name / row.name for row in comparison.rows]
+        text += calibration_notes([p for folder in folders for p in sorted(folder.glob(f"seed*/{ESTR_CALIBRATION_FILE}"))])
+    path = out / f"{suite_name}.md"
+    path.write_text("\n".join(text) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--suite", required=True, choices=[*SUITES, "all"])
+    parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per row (--quick: 1)")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, tiny budgets, under OUT/quick/")
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--report-only", action="store_true", help="write the tables and plots, run nothing")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value for every run (after the config and --quick)")
+    args = parser.parse_args(argv)
+    if args.seeds < 1:
+        parser.error(f"--seeds must be >= 1 (got {args.seeds})")
+    out = args.out / "quick" if args.quick else args.out
+    seeds = 1 if args.quick else args.seeds
+    failed = []
+    for name in SUITES if args.suite == "all" else [args.suite]:
+        if not args.report_only:
+            import jax
+
+            # Rows share most programs: compile each once for the whole suite.
+            jax.config.update("jax_compilation_cache_dir", str((out / ".jax_cache").resolve()))
+            failed += run_suite(name, seeds, out, overrides=args.overrides, quick=args.quick)["failed"]
+        print(f"report: {write_report(name, out)}")
+    if failed:
+        print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
