@@ -7,6 +7,9 @@ position, the engine's bookkeeping, the config). Saves are asynchronous; the las
 Orbax writes each step under a temporary name and renames it when complete, so a process killed
 mid-save leaves no step that looks finished. A step that is finished but unreadable (a corrupted
 file) is reported and skipped: `restore_latest` falls back to the newest step that restores.
+
+In a multi-process run every process calls `save` and `restore` with its arrays on the global mesh;
+Orbax writes each array's shards from the processes that hold them (the directory must be shared).
 """
 
 from __future__ import annotations
@@ -15,9 +18,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
+
+
+def abstract_state(state: Any) -> Any:
+    """The shapes, dtypes and shardings of `state`: the `abstract_state` that restores a checkpoint
+    laid out as `state` is (on the same devices, e.g. the global mesh of a multi-process run)."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
 class Checkpointer:

@@ -2,6 +2,8 @@
 
 With no arguments it runs the embedded default: the calculator-tool task, a tiny MoE policy and critic,
 on the CPU. `--gae-demo` instead prints skip- vs cross-observation GAE on one multi-turn trajectory.
+Several processes (one per host) make one run when each is started with `--distributed` (pods,
+clusters) or `--coordinator HOST:PORT --num-processes N --process-id I` (`sao_jax.train.distributed`).
 """
 
 from __future__ import annotations
@@ -18,15 +20,34 @@ from sao_jax.config import ConfigError, load_config
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None):
-    """(args, config), or (args, None) after printing a one-line ConfigError."""
+    """(args, config), or (args, None) after printing a one-line ConfigError. Joins a multi-process
+    run when the flags ask for one (before any other JAX call)."""
     parser.add_argument("--config", help="YAML config file (may name `base:`)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
+    processes = parser.add_argument_group(
+        "multi-process runs", "one process per host, every process started with the same config and overrides")
+    processes.add_argument("--distributed", action="store_true",
+                           help="join a multi-process run whose coordinator, process count and process id are "
+                                "detected (Cloud TPU pods, SLURM, ...)")
+    processes.add_argument("--coordinator", metavar="HOST:PORT",
+                           help="join a multi-process run coordinated by process 0 at HOST:PORT "
+                                "(needs --num-processes and --process-id)")
+    processes.add_argument("--num-processes", type=int, metavar="N")
+    processes.add_argument("--process-id", type=int, metavar="I", help="this process, 0 <= I < N")
     args = parser.parse_args(argv)
+    explicit = (args.coordinator, args.num_processes, args.process_id)
+    if any(v is not None for v in explicit) and None in explicit:
+        parser.error("--coordinator, --num-processes and --process-id go together")
     try:
-        return args, load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"ConfigError: {e}", file=sys.stderr)
         return args, None
+    if args.distributed or args.coordinator is not None:
+        from sao_jax.train.distributed import initialize
+
+        initialize(args.coordinator, args.num_processes, args.process_id)
+    return args, config
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -36,7 +36,13 @@ class AdvantageConfig:
     length_adaptive_alpha: float | None = 1.5  # λ_policy = 1 − 1/(α·l); SAO uses α = 1.5
     running_mean_window: int = 8
     running_mean_scope: str = "per_prompt"  # or "global"
-    group_size: int = 1
+    group_size: int = 1  # rollouts per prompt; grpo, rloo and trace normalise within each group
+    # TRACE turn credit (ALGORITHMS.md §10): horizon K, γ_td, λ_term, α_out, α_turn.
+    trace_k: int = 3
+    trace_gamma_td: float = 0.8
+    trace_lambda_term: float = 2.0
+    trace_alpha_out: float = 1.0
+    trace_alpha_turn: float = 0.2
 
     def problems(self) -> list[tuple[str, str]]:
         out = [(n, f"must be in [0, 1] (got {v})") for n, v in
@@ -52,6 +58,10 @@ class AdvantageConfig:
             out.append(("estimator", f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)} (got {self.estimator!r}){hint}"))
         if self.group_size < 1:
             out.append(("group_size", f"must be >= 1 (got {self.group_size})"))
+        elif self.group_size < 2 and getattr(ADVANTAGE_ESTIMATORS.get(self.estimator), "grouped", False):
+            out.append(("group_size", f"must be >= 2 for estimator {self.estimator} (got {self.group_size})"))
+        if self.trace_k < 1:
+            out.append(("trace_k", f"must be >= 1 (got {self.trace_k})"))
         return out
 
 
@@ -118,6 +128,20 @@ class ModelConfig:
 
     preset: str = "cpu_moe"
     pretrained: str | None = None
+    # Routing of the MoE layers (None: the preset's). "capacity" drops overflow assignments, differently
+    # in decode steps and full forwards: a train/inference mismatch, which keep rules need to matter.
+    moe_dispatch: str | None = None
+    # Compute and storage dtypes ("float32", "bfloat16", "float16"); None: the preset's, and for a
+    # pretrained folder float32 compute with parameters stored in the compute dtype.
+    dtype: str | None = None
+    param_dtype: str | None = None
+
+    def problems(self) -> list[tuple[str, str]]:
+        from sao_jax.models.config import DTYPES
+
+        return [(name, f"must be one of {', '.join(DTYPES)} or null (got {value!r})")
+                for name, value in (("dtype", self.dtype), ("param_dtype", self.param_dtype))
+                if value is not None and value not in DTYPES]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +154,8 @@ class EnvConfig:
     # Prompt files (JSONL or Parquet with `prompt`, `answer`): when set they replace the generator.
     train_file: str | None = None
     eval_file: str | None = None
+    # Keyword arguments of the environment's constructor (e.g. style_shift's `switches`).
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,6 +192,8 @@ class TrainConfig:
     mode: str = "sync"  # "sync": deterministic lockstep; "async": streaming single rollouts
     max_staleness: int = 4  # async: drop trajectories sampled more than this many versions ago
     queue_capacity: int = 64  # async: finished trajectories waiting for the trainer
+    wandb: bool = False  # also log every metrics line to Weights & Biases (needs `pip install wandb`)
+    wandb_project: str = "sao_jax"
 
     def problems(self) -> list[tuple[str, str]]:
         out = [(n, f"must be >= 1 (got {v})") for n, v in
@@ -220,6 +248,12 @@ class Config:
     policy: PolicyConfig = PolicyConfig()
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
+
+    def problems(self) -> list[tuple[str, str]]:
+        group, batch = self.advantage.group_size, self.train.batch_size
+        if batch % group:
+            return [("train.batch_size", f"must be a multiple of advantage.group_size={group} (got {batch})")]
+        return []
 
 
 def load_config(
@@ -322,6 +356,10 @@ def _coerce(hint: Any, value: Any, *, key: str, source: str) -> Any:
             except ConfigError as e:
                 errors.append(e)
         raise fail(" or ".join(getattr(o, "__name__", str(o)) for o in options))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise fail("a mapping")
+        return dict(value)
     if origin is tuple:
         if not isinstance(value, (list, tuple)):
             raise fail("a list")

@@ -1,4 +1,5 @@
-"""What a run writes: `metrics.jsonl`, TensorBoard events, and `plots/*.png` at the end.
+"""What a run writes: `metrics.jsonl`, TensorBoard events, and `plots/*.png` at the end; optionally
+the same scalars to Weights & Biases (`train.wandb`).
 
 `metrics.jsonl` holds one JSON object per line, each with an integer `"step"`; evaluation lines carry
 `"eval/success_rate"`. Lines are flushed as they are written, so a crash loses at most the line being
@@ -29,12 +30,21 @@ def _plain(value: Any) -> Any:
     return number
 
 
-class MetricsWriter:
-    """Appends metric lines to `OUTDIR/metrics.jsonl` and mirrors scalars to TensorBoard."""
+def _scalars(line: Mapping[str, Any]) -> dict[str, int | float]:
+    """The numeric entries of a written line, less `step`: what TensorBoard and W&B chart."""
+    return {k: v for k, v in line.items()
+            if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}  # fmt: skip
 
-    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True):
+
+class MetricsWriter:
+    """Appends metric lines to `OUTDIR/metrics.jsonl` and mirrors their scalars to TensorBoard and,
+    when `wandb_project` is set, to a Weights & Biases run (`config` is that run's config)."""
+
+    def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
+                 config: Mapping[str, Any] | None = None):  # fmt: skip
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._wandb = _start_wandb(wandb_project, self.output_dir, config) if wandb_project is not None else None
         self.path = self.output_dir / "metrics.jsonl"
         self._file = self.path.open("a")
         self._tb = None
@@ -48,22 +58,36 @@ class MetricsWriter:
         line = {"step": int(step), **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(line, sort_keys=True) + "\n")
         self._file.flush()
+        scalars = _scalars(line)
         if self._tb is not None:
-            for key, value in line.items():
-                if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                    self._tb.add_scalar(key, value, global_step=int(step))
+            for key, value in scalars.items():
+                self._tb.add_scalar(key, value, global_step=int(step))
+        if self._wandb is not None:
+            self._wandb.log(scalars, step=int(step))
         return line
 
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
     def __enter__(self) -> MetricsWriter:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start_wandb(project: str, output_dir: Path, config: Mapping[str, Any] | None):
+    """A W&B run named after the output folder; wandb is imported only here (it is optional). A
+    resumed training run starts a new W&B run (ours): its lines begin at the checkpoint's step."""
+    try:
+        import wandb
+    except ImportError:
+        raise ImportError("train.wandb is true but wandb is not installed: pip install wandb") from None
+    return wandb.init(project=project, name=output_dir.name, dir=str(output_dir), config=dict(config or {}))
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

@@ -282,7 +282,7 @@ class AgentLoop:
         eos = getattr(tokenizer, "eos_id", None)
         self._extra_stop_ids = [] if eos is None else [int(eos)]
 
-    def rollout(self, weights, prompts: Iterable[Any], key: jax.Array, *,
+    def rollout(self, weights, prompts: Iterable[Any], key: jax.Array, *, first_index: int = 0,
                 on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
         """One trajectory per prompt, returned in prompt order; `on_trajectory` gets each as it ends.
 
@@ -290,9 +290,10 @@ class AgentLoop:
         object with such a `latest()` method (the engine's WeightStore).
         prompts: objects with an integer `id` (e.g. `sao_jax.envs.Prompt`), each passed to
         `env_factory` and then to `env.reset`; consumed lazily, one whenever a slot is free.
-        key: the i-th prompt's trajectory samples with `fold_in(key, i)` and nothing else.
+        key: the i-th prompt's trajectory samples with `fold_in(key, first_index + i)` and nothing else
+        (`first_index`: where these prompts start in a list shared out over processes).
         """
-        todo = enumerate(prompts)
+        todo = enumerate(prompts, start=first_index)
         finished: dict[int, Trajectory] = {}
 
         def take(block: bool):

@@ -27,16 +27,19 @@ from tqdm.auto import tqdm
 
 from sao_jax import models
 from sao_jax.advantages import unassigned_reward
-from sao_jax.checkpoint import Checkpointer
+from sao_jax.checkpoint import Checkpointer, abstract_state
 from sao_jax.config import Config, to_dict
+from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
+from sao_jax.data.datasets import read_prompts
 from sao_jax.data.tokenizers import CharTokenizer
-from sao_jax.envs import environment_class
+from sao_jax.envs import Prompt, environment_class
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
+from sao_jax.train.distributed import Cluster, ProcessRollouts
 from sao_jax.train.sft import demonstration_trajectory, make_sft_update
 
 log = logging.getLogger(__name__)
@@ -50,18 +53,26 @@ class Run:
     """Everything built once per run from the config."""
 
     config: Config
-    tokenizer: CharTokenizer
+    tokenizer: CharTokenizer | HFTokenizer
     env_cls: Any
     env_kwargs: dict[str, Any]
     train_prompts: list[Any]
     eval_prompts: list[Any]
     policy: models.Policy
     buckets: tuple[int, ...]
+    cluster: Cluster = dataclasses.field(default_factory=Cluster)  # this process's part of the run
+    chat_format: ChatFormat | None = None  # a pretrained model's: every episode is spoken in it
 
     def env_factory(self, prompt):
-        return self.env_cls(**self.env_kwargs)
+        env = self.env_cls(**self.env_kwargs)
+        return env if self.chat_format is None else ChatEnv(env, self.chat_format)
 
-    def agent_loop(self, *, greedy: bool) -> AgentLoop:
+    def demonstration(self, prompt, *, direct: bool = False) -> list[str]:
+        """The gold actions for `prompt` (`direct`: the answer-only demonstration), in the chat format."""
+        actions = (self.env_cls.direct_demonstration if direct else self.env_cls.demonstration)(prompt)
+        return actions if self.chat_format is None else self.env_factory(prompt).chat_actions(actions)
+
+    def agent_loop(self, *, greedy: bool) -> AgentLoop | ProcessRollouts:
         r = self.config.rollout
         sampler = Sampler(
             self.policy,
@@ -75,28 +86,61 @@ class Run:
             max_total_tokens=r.max_total_tokens,
             max_action_tokens=r.max_action_tokens,
             env_timeout_s=r.env_timeout_s,
+            add_bos=self.chat_format is None,  # chat templates write their own start tokens
             lockstep=self.config.train.mode == "sync",
         )
-        return AgentLoop(sampler, self.tokenizer, self.env_factory, loop_config)
+        return self.cluster.rollouts(AgentLoop(sampler, self.tokenizer, self.env_factory, loop_config))
 
 
 def build_run(config: Config) -> Run:
-    tokenizer = CharTokenizer()
+    """The run's pieces. A pretrained model (`model.pretrained`, a Hugging Face folder) brings its
+    tokenizer and chat template, and the environment is spoken in that template (`ChatEnv`); a preset
+    uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set."""
+    cluster = Cluster.for_config(config)
     env_cls = environment_class(config.env.name)
-    difficulty = list(config.env.difficulty) or None
-    pool = env_cls.generate_prompts(np.random.default_rng([config.seed, _RL]), config.env.train_prompts, difficulty)
-    # Prompt ids become pool indices: per-prompt baselines key on them.
-    train_prompts = [dataclasses.replace(p, id=i) for i, p in enumerate(pool)]
-    held_out = env_cls.generate_prompts(np.random.default_rng([config.seed, _EVAL]), config.env.eval_prompts, difficulty)
-    eval_prompts = [dataclasses.replace(p, id=i) for i, p in enumerate(held_out)]
-    if config.model.pretrained:
-        policy = models.from_pretrained(config.model.pretrained)
+    train_prompts = prompt_pool(config, env_cls, config.env.train_file, config.env.train_prompts, _RL)
+    eval_prompts = prompt_pool(config, env_cls, config.env.eval_file, config.env.eval_prompts, _EVAL)
+    model = config.model
+    overrides = {name: value for name, value in
+                 (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype))
+                 if value is not None}  # fmt: skip
+    if model.pretrained:
+        tokenizer = HFTokenizer.from_folder(model.pretrained)
+        chat_format = ChatFormat.from_tokenizer(tokenizer)
+        policy = models.from_pretrained(model.pretrained, mesh=cluster.mesh, **overrides)
+        if tokenizer.vocab_size > policy.config.vocab_size:
+            raise ValueError(f"model.pretrained={model.pretrained}: the tokenizer has {tokenizer.vocab_size} tokens, "
+                             f"more than the model's vocab_size {policy.config.vocab_size}")
     else:
-        preset = getattr(models, config.model.preset)
-        policy = models.Policy(preset(vocab_size=tokenizer.vocab_size), rngs=nnx.Rngs(config.seed))
+        tokenizer, chat_format = CharTokenizer(), None
+        preset = getattr(models, model.preset)
+        policy = models.Policy(preset(vocab_size=tokenizer.vocab_size, **overrides), rngs=nnx.Rngs(config.seed))
     length = config.rollout.max_total_tokens
     buckets = tuple(sorted({max(16, length // 2), length}))
-    return Run(config, tokenizer, env_cls, {}, train_prompts, eval_prompts, policy, buckets)
+    return Run(config, tokenizer, env_cls, env_options(config), train_prompts, eval_prompts, policy, buckets, cluster,
+               chat_format)  # fmt: skip
+
+
+def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int) -> list[Prompt]:
+    """The prompts of `file` (`read_prompts`), or `size` that the environment generates with the rng
+    (seed, stream). Each prompt's id becomes its index in the pool: per-prompt baselines key on it."""
+    if file is not None:
+        prompts = read_prompts(file)
+    else:
+        difficulty = list(config.env.difficulty) or None
+        prompts = env_cls.generate_prompts(np.random.default_rng([config.seed, stream]), size, difficulty)
+    return [dataclasses.replace(p, id=i) for i, p in enumerate(prompts)]
+
+
+def env_options(config: Config) -> dict[str, Any]:
+    """The environment constructor's keyword arguments from `env.options`. style_shift's `switches`
+    ([[step, style], ...]) become the one `StyleSchedule` every episode shares (the loop moves it)."""
+    options = dict(config.env.options)
+    if config.env.name == "style_shift" and "switches" in options:
+        from sao_jax.envs.style_shift import StyleSchedule
+
+        options["schedule"] = StyleSchedule(tuple(map(tuple, options.pop("switches"))))
+    return options
 
 
 def policy_weights(state: steps_lib.TrainState, graphs: steps_lib.Graphs):
@@ -114,6 +158,17 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
         f"{prefix}/env_errors": float(sum(t.info.get("error") is not None for t in trajectories)),
         f"{prefix}/truncated": float(sum(t.info.get("truncated") is not None for t in trajectories)),
     }
+
+
+def style_metrics(trajectories: list[Trajectory], schedule) -> dict[str, Any]:
+    """Online experiment (style_shift): the rewarded style and each style's share of the trajectories."""
+    if schedule is None:
+        return {}
+    from sao_jax.envs.judges import STYLES
+
+    styles = [t.info.get("env_info", {}).get("style") for t in trajectories]
+    shares = {f"train/style_share/{s}": styles.count(s) / max(len(styles), 1) for s in STYLES}
+    return {"train/target_style": schedule.current_style, **shares}
 
 
 def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
@@ -138,19 +193,20 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
     tx = adamw(learning_rate_schedule(cfg.optimizer.lr, warmup_steps=cfg.optimizer.warmup_steps,
                                       total_steps=max(cfg.steps, cfg.optimizer.warmup_steps + 1)),
                max_grad_norm=cfg.optimizer.max_grad_norm)  # fmt: skip
-    update = make_sft_update(graph, buffers, tx)
-    opt_state = tx.init(params)
+    update = run.cluster.step(make_sft_update(graph, buffers, tx))
+    params = run.cluster.place(params)
+    opt_state = run.cluster.place(tx.init(params))
     rng = np.random.default_rng([run.config.seed, _SFT])
 
     def demonstrate(prompt):
-        if cfg.direct_answer_fraction and rng.random() < cfg.direct_answer_fraction:
-            return run.env_cls.direct_demonstration(prompt)
-        return run.env_cls.demonstration(prompt)
+        direct = bool(cfg.direct_answer_fraction) and rng.random() < cfg.direct_answer_fraction
+        return run.demonstration(prompt, direct=direct)
 
     with tqdm(range(cfg.steps), desc="sft", leave=False) as bar:
         for i in bar:
             prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.batch_size)]
-            demos = [demonstration_trajectory(run.env_factory(p), p, demonstrate(p), run.tokenizer) for p in prompts]
+            demos = [demonstration_trajectory(run.env_factory(p), p, demonstrate(p), run.tokenizer,
+                                              add_bos=run.chat_format is None) for p in prompts]  # fmt: skip
             batch = collate(demos, batch_size=cfg.batch_size, buckets=run.buckets)
             params, opt_state, metrics = update(params, opt_state, batch)
             if i % 25 == 0 or i == cfg.steps - 1:
@@ -165,16 +221,18 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     consumed (its buffers are donated)."""
     config = run.config
     cfg = config.critic
-    if cfg.pretrain_rollouts == 0:
-        return state.replace(critic_opt_state=critic_tx.init(state.critic_params))
+    critic_free = steps_lib.ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
+    if cfg.pretrain_rollouts == 0 or critic_free:  # critic-free baselines never read the critic
+        return run.cluster.place(state.replace(critic_opt_state=critic_tx.init(state.critic_params)))
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, _VALUE_PRETRAIN])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.pretrain_rollouts)]
     corpus, failed = usable(rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1)))
     # All critic parameters train here (ours): the freeze applies to RL, where the paper reports it.
     tx = steps_lib.guard_nonfinite(adamw(cfg.pretrain_lr))
-    value_update = jax.jit(steps_lib.sequence(steps_lib.make_value_update(graphs, tx, config)), donate_argnums=0)
-    pretrain_state = state.replace(critic_opt_state=tx.init(state.critic_params))
+    value_update = run.cluster.step(
+        jax.jit(steps_lib.sequence(steps_lib.make_value_update(graphs, tx, config)), donate_argnums=0))
+    pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
     batch_size = config.train.batch_size
     for epoch in tqdm(range(cfg.pretrain_epochs), desc="value pretraining", leave=False):
         order = rng.permutation(len(corpus))
@@ -186,7 +244,7 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
         mean = {k: float(np.mean([m[k] for m in epoch_metrics])) for k in epoch_metrics[0]}
         writer.write(0, {"stage": "value_pretrain", "value_pretrain/epoch": epoch, "value_pretrain/corpus": len(corpus),
                          "value_pretrain/failed_rollouts": failed, **mean})  # fmt: skip
-    return pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params))
+    return run.cluster.place(pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params)))
 
 
 def make_optimizers(config: Config):
@@ -205,11 +263,16 @@ def make_optimizers(config: Config):
 
 
 def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
-    """Run the whole job; returns the final summary (also written to OUTDIR/summary.json)."""
+    """Run the whole job; returns the final summary (also written to OUTDIR/summary.json). Run as
+    several processes, each process does its part (`sao_jax.train.distributed`)."""
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     run = build_run(config)
+    cluster = run.cluster
+    if cluster.is_primary:
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    # Process p > 0 writes its lines apart: they must equal process 0's.
+    metrics_dir = out if cluster.is_primary else out / f"process_{jax.process_index()}"
     policy_tx, critic_tx = make_optimizers(config)
     checkpointer = Checkpointer(out / "checkpoints", keep=config.train.keep_checkpoints)
 
@@ -217,59 +280,71 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     state, graphs = steps_lib.make_train_state(
         run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
     )
-    steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
+    state = cluster.place(state)
+    steps = steps_lib.Steps(*map(cluster.step, steps_lib.build_steps(graphs, policy_tx, critic_tx, config)))
     rollout_loop, eval_loop = run.agent_loop(greedy=False), run.agent_loop(greedy=config.env.eval_greedy)
 
-    restored = checkpointer.restore_latest(jax.eval_shape(lambda: state)) if resume else None
+    restored = checkpointer.restore_latest(abstract_state(state)) if resume else None
     if restored is not None:
         start_step, state, host = restored
-        truncate_after(out / "metrics.jsonl", start_step)
+        truncate_after(metrics_dir / "metrics.jsonl", start_step)
         log.info("resumed from step %d", start_step)
     else:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
+        (metrics_dir / "metrics.jsonl").unlink(missing_ok=True)
         start_step = 0
 
-    with MetricsWriter(out) as writer:
+    wandb_project = config.train.wandb_project if config.train.wandb and cluster.is_primary else None
+    with MetricsWriter(metrics_dir, tensorboard=cluster.is_primary, wandb_project=wandb_project,
+                       config=to_dict(config)) as writer:  # fmt: skip
         if restored is None:
-            state = state.replace(policy_params=run_sft(run, writer))
+            state = cluster.place(steps_lib.freeze_reference(state.replace(policy_params=run_sft(run, writer))))
             # The critic starts from the warm-started policy (SAO initialises V from the policy).
             sft_policy = nnx.merge(graphs.policy, state.policy_params, state.policy_buffers)
             critic = models.Critic.from_policy(sft_policy, rngs=nnx.Rngs(config.seed + _INIT))
-            state = state.replace(critic_params=steps_lib.split_model(critic)[1])
+            state = cluster.place(state.replace(critic_params=steps_lib.split_model(critic)[1]))
             state = run_value_pretraining(run, state, graphs, rollout_loop, critic_tx, writer)
             writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
             checkpointer.save(0, state, {"step": 0})
         summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step)
     checkpointer.close()
-    plot_run(out)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if cluster.is_primary:
+        plot_run(out)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
 class LockstepBatches:
-    """Sync mode: RL step s rolls out `batch_size` prompts drawn with rng (seed, s) from the pool, in
-    lockstep (no thread timing in the result), with the current weights."""
+    """Sync mode: RL step s draws `batch_size / G` prompts with rng (seed, s) from the pool and rolls
+    each out G = `advantage.group_size` times (members adjacent, each with its own key), in lockstep
+    (no thread timing in the result), with the current weights. A group with an environment failure
+    is dropped whole (a group baseline needs every member), as the async engine does."""
 
     def __init__(self, run: Run, rollout_loop: AgentLoop):
         self.run, self.rollout_loop = run, rollout_loop
 
     def next(self, step: int, weights) -> tuple[list[Trajectory], dict[str, float]]:
         config = self.run.config
+        group = config.advantage.group_size
         rng = np.random.default_rng([config.seed, _RL, step])
         pool = self.run.train_prompts
-        prompts = [pool[j] for j in rng.integers(0, len(pool), config.train.batch_size)]
-        key = jax.random.fold_in(jax.random.key(config.seed), step)
+        prompts = [pool[j] for j in rng.integers(0, len(pool), config.train.batch_size // group) for _ in range(group)]
+        key = jax.random.fold_in(jax.random.key(config.seed), step)  # the i-th rollout samples with fold_in(key, i)
         trajectories = self.rollout_loop.rollout((weights, step - 1), prompts, key)
-        kept, failed = usable(trajectories)
-        return kept, {"train/env_failed": failed}
+        groups = [trajectories[i:i + group] for i in range(0, len(trajectories), group)]
+        failed = [group - len(usable(members)[0]) for members in groups]
+        kept = [t for members, f in zip(groups, failed) if not f for t in members]
+        discarded = sum(group - f for f in failed if f)  # the survivors of groups that lost a member
+        return kept, {"train/env_failed": sum(failed), "train/group_members_discarded": discarded}
 
     def close(self) -> None:
         pass
 
 
 class StreamingBatches:
-    """Async mode: the rollout engine streams single rollouts (group size 1) as they finish; weights
-    are published after every step and picked up by running rollouts between decode chunks."""
+    """Async mode: the rollout engine streams rollouts as they finish — single ones (SAO), or whole
+    groups of G = `advantage.group_size` (members adjacent; a group with a failed or too-stale member
+    is dropped whole); weights are published after every step and picked up by running rollouts
+    between decode chunks."""
 
     def __init__(self, run: Run, rollout_loop: AgentLoop, weights, start_step: int):
         from sao_jax.rollout.agent_loop import RolloutService
@@ -283,6 +358,7 @@ class StreamingBatches:
             self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count()), self.store,
             jax.random.fold_in(jax.random.key(config.seed), start_step), num_workers=config.rollout.num_slots,
             queue_capacity=config.train.queue_capacity, max_staleness=config.train.max_staleness,
+            group_size=config.advantage.group_size,
         )  # fmt: skip
 
     def pool_index(self, prompt_index: int) -> int:
@@ -307,6 +383,7 @@ class StreamingBatches:
             "async/dropped_stale": metrics["trajectories_dropped_stale"],
             "async/staleness_mean": sum(k * v for k, v in histogram.items()) / max(seen, 1),
             "train/env_failed": metrics["trajectories_failed"],
+            "train/group_members_discarded": metrics["trajectories_discarded"],
         }
 
     def close(self) -> None:
@@ -330,7 +407,7 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
         run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
     )
     with Checkpointer(Path(config.output_dir) / "checkpoints") as checkpointer:
-        restored = checkpointer.restore_latest(jax.eval_shape(lambda: state))
+        restored = checkpointer.restore_latest(abstract_state(run.cluster.place(state)))
     if restored is None:
         raise FileNotFoundError(f"no readable checkpoint under {Path(config.output_dir) / 'checkpoints'}")
     step, state, _ = restored
@@ -345,23 +422,38 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
     weights = policy_weights(state, graphs)
     source = (StreamingBatches(run, rollout_loop, weights, start_step) if cfg.mode == "async"
               else LockstepBatches(run, rollout_loop))  # fmt: skip
+    reads_reference = steps_lib.ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
+    schedule = run.env_kwargs.get("schedule")  # style_shift's target-style schedule, moved per step
+
+    def gold_tokens(trajectory: Trajectory):
+        # (ours) TRACE's gold answer: the final action of the prompt's demonstration, e.g. "A: 42\n",
+        # tokenized as SFT tokenizes actions, so the reference scores it in the form it was taught.
+        prompt = run.train_prompts[trajectory.prompt_id]
+        return run.tokenizer.encode(run.demonstration(prompt)[-1])
+
     try:
         bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="rl", initial=start_step, total=cfg.steps)
         for step in bar:
             started = time.perf_counter()
+            if schedule is not None:
+                schedule.set_step(step)
             kept, source_metrics = source.next(step, policy_weights(state, graphs))
             if not kept:
                 writer.write(step, {**source_metrics, "train/skipped_no_data": 1})
                 continue
             batch = collate(kept, batch_size=cfg.batch_size, buckets=run.buckets)
+            steps_lib.check_whole_groups(batch.prompt_id, config.advantage.group_size)
+            if reads_reference:
+                batch = steps_lib.trace_batch(batch, [gold_tokens(t) for t in kept])
             lost = float(np.abs(unassigned_reward(batch.rewards, batch.action_mask)).sum())
             if lost > 0:
                 raise RuntimeError(f"step {step}: reward {lost} sits before the first action token and cannot be credited")
             warmup = step <= config.critic.warmup_steps
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
-            line = {**rollout_metrics(kept, "train"), **source_metrics, **jax.device_get(metrics),
-                    "train/critic_warmup": int(warmup), "time/step_s": time.perf_counter() - started}  # fmt: skip
+            line = {**rollout_metrics(kept, "train"), **style_metrics(kept, schedule), **source_metrics,
+                    **jax.device_get(metrics), "train/critic_warmup": int(warmup),
+                    "time/step_s": time.perf_counter() - started}  # fmt: skip
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))
                 last_eval = line["eval/success_rate"]
@@ -373,7 +465,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
     finally:
         source.close()
     checkpointer.wait()
-    evals = [line for line in read_metrics(Path(config.output_dir) / "metrics.jsonl") if "eval/success_rate" in line]
+    evals = [line for line in read_metrics(writer.path) if "eval/success_rate" in line]
     return {
         "eval_success_start": evals[0]["eval/success_rate"] if evals else None,
         "eval_success_end": evals[-1]["eval/success_rate"] if evals else None,

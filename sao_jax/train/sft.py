@@ -24,10 +24,12 @@ from sao_jax.rollout.trajectory import Trajectory, TrajectoryBatch
 from sao_jax.train.steps import policy_logits
 
 
-def demonstration_trajectory(env: Any, prompt: Any, demonstration: list[str], tokenizer) -> Trajectory:
-    """Step `env` through the gold `demonstration` actions and record the trajectory it makes."""
+def demonstration_trajectory(env: Any, prompt: Any, demonstration: list[str], tokenizer, *,
+                             add_bos: bool = True) -> Trajectory:
+    """Step `env` through the gold `demonstration` actions and record the trajectory it makes
+    (starting with the tokenizer's BOS when `add_bos`, as the agent loop's rollouts do)."""
     pieces: list[tuple[np.ndarray, bool, int, float]] = []  # (ids, is_action, turn, reward on last)
-    if tokenizer.bos_id is not None:  # chat templates write their own start tokens
+    if add_bos and tokenizer.bos_id is not None:  # chat templates write their own start tokens
         pieces.append((np.array([tokenizer.bos_id], np.int32), False, -1, 0.0))
     pieces.append((tokenizer.encode(env.reset(prompt)), False, -1, 0.0))
     for turn, action in enumerate(demonstration):

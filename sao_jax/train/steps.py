@@ -8,6 +8,10 @@
   length-adaptive), then one optimizer step on the configured policy loss (DIS by default).
 - `critic_warmup_step = repeat(value_update, K)`: the critic-only steps before the first policy update.
 
+Critic-free rows (running mean, GRPO, RLOO, TRACE) skip the critic: ttur_step = policy_update. Group
+estimators read a batch whose rows come in whole groups (`check_whole_groups`); TRACE also reads a frozen
+reference policy (`TrainState.reference_params`) and a `TraceBatch` (`trace_batch`).
+
 Every step is `(state, batch, key) -> (state, metrics)`, jitted once per batch shape. The variants
 the paper compares are rows of `ADVANTAGE_ESTIMATORS` and `losses.POLICY_LOSSES`, looked up once
 when the steps are built. A non-finite loss or gradient skips that update (`optax.apply_if_finite`:
@@ -21,11 +25,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 
@@ -48,6 +53,8 @@ class TrainState:
 
     `*_params` are the `nnx.Param` leaves; `*_buffers` the models' other variables (e.g. GLM's
     `e_score_correction_bias`), carried so `nnx.merge(graphdef, params, buffers)` rebuilds the model.
+    `reference_params`: the frozen reference policy's params for estimators that read one (TRACE;
+    `freeze_reference` sets them), else None. It shares `policy_buffers`, which no step changes.
     """
 
     policy_params: Any
@@ -58,6 +65,7 @@ class TrainState:
     critic_opt_state: Any
     baseline: adv.RunningMeanState
     step: jax.Array
+    reference_params: Any = None
 
 
 class Graphs(NamedTuple):
@@ -98,10 +106,14 @@ class Estimator:
 
     gae: `(batch, values, gamma, lam) -> (advantages, returns)` for critic-based rows, else None.
     value_mask: `batch -> mask` of the tokens the critic is trained on.
+    grouped: compares the G = `advantage.group_size` rollouts of a prompt (needs G >= 2).
+    reference: reads the frozen reference policy and a `TraceBatch`.
     """
 
     gae: Callable[..., tuple[jax.Array, jax.Array]] | None
     value_mask: Callable[[TrajectoryBatch], jax.Array] = lambda b: b.action_mask
+    grouped: bool = False
+    reference: bool = False
 
 
 def _on_batch(fn, **fixed):
@@ -120,13 +132,39 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "step_gae_last": Estimator(_on_batch(adv.step_gae, value_reduce="last")),
     # Critic-free rows: one outcome advantage per sequence, on all of its action tokens.
     "running_mean": Estimator(None),
-    "grpo": Estimator(None),
-    "rloo": Estimator(None),
+    "grpo": Estimator(None, grouped=True),
+    "rloo": Estimator(None, grouped=True),
+    "trace": Estimator(None, grouped=True, reference=True),
 }
 
 
+def check_whole_groups(prompt_id: np.ndarray, group_size: int) -> None:
+    """Raise unless the rows come in whole groups: rows [g·G, (g+1)·G) share one prompt id, real rows
+    first, and the real rows are a multiple of G (so padding rows, id −1, also form whole groups).
+
+    The group estimators find a group by position (a prompt may be drawn twice in one batch, so ids
+    alone do not tell groups apart). The batch sources keep this invariant: a group that lost a member
+    to an environment failure or to staleness is dropped whole, never trained on in part.
+    """
+    prompt_id = np.asarray(prompt_id)
+    if len(prompt_id) % group_size:
+        raise ValueError(f"batch of {len(prompt_id)} rows is not a multiple of advantage.group_size={group_size}")
+    blocks = prompt_id.reshape(-1, group_size)
+    split = np.flatnonzero(np.any(blocks != blocks[:, :1], axis=1))
+    if split.size:
+        raise ValueError(f"rows {split[0] * group_size}..{(split[0] + 1) * group_size - 1} are not one group "
+                         f"(prompt ids {blocks[split[0]].tolist()}); advantage.group_size={group_size}")
+    real = prompt_id >= 0
+    if np.any(real[1:] & ~real[:-1]):
+        raise ValueError(f"padding rows must come after the real rows (prompt ids {prompt_id.tolist()})")
+
+
 def _outcome_advantages(name: str, batch: TrajectoryBatch, baseline, config: Config):
-    """Per-sequence advantages `[batch]` of the critic-free estimators, and the new baseline state."""
+    """Per-sequence advantages `[batch]` of the critic-free estimators, and the new baseline state.
+
+    grpo / rloo: rows [g·G, (g+1)·G) are group g (`check_whole_groups`); every padding row is in a
+    padding group, whose outcomes are all 0, so it gets A = 0 (and has no action tokens anyway).
+    """
     outcome = jnp.sum(jnp.where(batch.valid_mask, batch.rewards, 0.0), axis=1)
     real = batch.prompt_id >= 0
     if name == "running_mean":
@@ -145,6 +183,118 @@ def policy_lambda(batch: TrajectoryBatch, config: Config) -> jax.Array:
     if alpha is None:
         return jnp.full(batch.tokens.shape[:1], config.advantage.lam_policy, jnp.float32)
     return adv.length_adaptive_lambda(jnp.sum(batch.action_mask, axis=1), alpha)
+
+
+# ------------------------------------------------------------------------------------ TRACE
+
+
+@struct.dataclass
+class TraceBatch(TrajectoryBatch):
+    """A `TrajectoryBatch` plus what TRACE's reference scoring reads (ALGORITHMS.md §10).
+
+    gold_tokens  int32 `[batch, gold_time]`: the gold answer's ids, left-aligned, 0 past gold_length
+    gold_length  int32 `[batch]`: 0 for padding rows
+    turn_start   int32 `[batch, turn_slots]`: n_s = the number of tokens before turn s, so the state
+                 after s action–observation pairs is `tokens[:n_s]`; the row's length for s >= T
+    num_turns    int32 `[batch]`: T, the number of action–observation pairs (0 for padding rows)
+    """
+
+    gold_tokens: Any
+    gold_length: Any
+    turn_start: Any
+    num_turns: Any
+
+
+def _power_of_two_at_least(n: int, floor: int) -> int:
+    return max(floor, 1 << max(n - 1, 0).bit_length())
+
+
+def trace_batch(batch: TrajectoryBatch, gold_tokens: Sequence[Sequence[int]]) -> TraceBatch:
+    """`batch` (from `collate`, host arrays) with the TRACE fields; `gold_tokens[i]`: row i's gold ids.
+
+    Row i's turns are read from `turn_index` (prompt −1, turn k's action and observation k). Turn
+    slots and gold length are padded to powers of two, so the step compiles for a few shapes only.
+    """
+    valid, turn = np.asarray(batch.valid_mask), np.asarray(batch.turn_index)
+    rows = len(valid)
+    real = np.asarray(batch.prompt_id) >= 0
+    if len(gold_tokens) != real.sum():
+        raise ValueError(f"trace_batch: {len(gold_tokens)} gold answers for {real.sum()} real rows")
+    gold_length = np.zeros(rows, np.int32)
+    gold_length[: len(gold_tokens)] = [len(g) for g in gold_tokens]
+    missing = np.flatnonzero(real & (gold_length == 0))
+    if missing.size:
+        raise ValueError(f"trace_batch: TRACE needs a gold answer; row {missing[0]} has none")
+    gold = np.zeros((rows, _power_of_two_at_least(int(gold_length.max()), 8)), np.int32)
+    for i, ids in enumerate(gold_tokens):
+        gold[i, : len(ids)] = ids
+    num_turns = (np.max(np.where(valid, turn, -1), axis=1) + 1).astype(np.int32)
+    slots = np.arange(_power_of_two_at_least(int(num_turns.max()) + 1, 2))
+    turn_start = np.sum(valid[:, None, :] & (turn[:, None, :] < slots[None, :, None]), axis=2, dtype=np.int32)
+    return TraceBatch(**{f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)},
+                      gold_tokens=gold, gold_length=gold_length, turn_start=turn_start, num_turns=num_turns)
+
+
+def reference_gold_logprob_mean(graphdef, params, buffers, batch: TraceBatch) -> jax.Array:
+    """ℓ̄ `[batch, turn_slots]`: the reference's mean teacher-forced log-prob of the gold answer g after
+    each turn slot s,
+
+        ℓ̄[b, s] = (1/|g_b|) · Σ_j log π_ref(g_b,j | tokens_b[:n_bs] ‖ g_b,<j),   n_bs = turn_start[b, s].
+
+    The sequences `tokens[:n] ‖ g` are gathered on device, `[batch, time + gold_time]`, one batched
+    forward per slot; `lax.map` runs the slots in turn, so memory stays that of one batch forward.
+    """
+    time, gold_time = batch.tokens.shape[1], batch.gold_tokens.shape[1]
+    position = jnp.arange(time + gold_time)
+
+    def score(prefix_length):  # [batch]
+        gold_position = position - prefix_length[:, None]
+        in_prefix = gold_position < 0
+        in_gold = (gold_position >= 0) & (gold_position < batch.gold_length[:, None])
+        prefix = jnp.take(batch.tokens, jnp.minimum(position, time - 1), axis=1)
+        gold = jnp.take_along_axis(batch.gold_tokens, jnp.clip(gold_position, 0, gold_time - 1), axis=1)
+        tokens = jnp.where(in_prefix, prefix, jnp.where(in_gold, gold, 0))
+        model = nnx.merge(graphdef, params, buffers)
+        logits, _, _ = model.forward(tokens, attention_mask=in_prefix | in_gold)
+        logp = losses.token_logprobs(logits, tokens)
+        return jnp.sum(jnp.where(in_gold, logp, 0.0), axis=1) / jnp.maximum(batch.gold_length, 1)
+
+    return jax.lax.map(score, batch.turn_start.T).T
+
+
+def _trace_advantages(state: TrainState, batch: TraceBatch, graphs: Graphs, config: Config):
+    """TRACE token advantages `α_out·A_out + α_turn·r_k` (ALGORITHMS.md §10), A_out from GRPO."""
+    if not isinstance(batch, TraceBatch):
+        raise TypeError("advantage.estimator=trace reads a TraceBatch (steps.trace_batch), got "
+                        f"{type(batch).__name__}")
+    if state.reference_params is None:
+        raise ValueError("advantage.estimator=trace needs TrainState.reference_params (make_train_state "
+                         "keeps them when the estimator reads a reference)")
+    cfg = config.advantage
+    outcome_advantage, _ = _outcome_advantages("grpo", batch, state.baseline, config)
+    gold_logprob = jax.lax.stop_gradient(
+        reference_gold_logprob_mean(graphs.policy, state.reference_params, state.policy_buffers, batch))
+    turn_rewards = adv.trace_turn_rewards(gold_logprob, batch.num_turns, outcome_advantage, k=cfg.trace_k,
+                                          gamma_td=cfg.trace_gamma_td, lambda_term=cfg.trace_lambda_term)
+    advantages = adv.trace_token_advantages(turn_rewards, outcome_advantage, batch.turn_index, batch.action_mask,
+                                            alpha_out=cfg.trace_alpha_out, alpha_turn=cfg.trace_alpha_turn)
+    real = batch.num_turns > 0
+    at_end = jnp.take_along_axis(gold_logprob, batch.num_turns[:, None], axis=1)[:, 0]
+    turns = jnp.arange(turn_rewards.shape[1]) < batch.num_turns[:, None]
+    metrics = {
+        "trace_gold_logprob_start": adv.masked_mean(gold_logprob[:, 0], real),
+        "trace_gold_logprob_end": adv.masked_mean(at_end, real),
+        "trace_turn_reward_mean": adv.masked_mean(turn_rewards, turns),
+    }
+    return advantages, metrics
+
+
+def freeze_reference(state: TrainState) -> TrainState:
+    """`state` with its reference set to a copy of the current policy params (TRACE's reference is
+    the initial policy after SFT); unchanged when the state keeps no reference."""
+    if state.reference_params is None:
+        return state
+    return state.replace(reference_params=jax.tree.map(jnp.copy, state.policy_params))
 
 
 # ------------------------------------------------------------------------------------ the steps
@@ -204,9 +354,12 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
     def policy_update(state: TrainState, batch: TrajectoryBatch, key: jax.Array):
         del key
         baseline = state.baseline
+        extra: Metrics = {}
         if estimator.gae is not None:
             values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch)
             advantages, _ = estimator.gae(batch, values, config.advantage.gamma, policy_lambda(batch, config))
+        elif estimator.reference:
+            advantages, extra = _trace_advantages(state, batch, graphs, config)
         else:
             per_sequence, baseline = _outcome_advantages(name, batch, baseline, config)
             advantages = jnp.where(batch.action_mask, per_sequence[:, None], 0.0)
@@ -235,6 +388,7 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
             "skipped_updates": skipped_updates(opt_state),
             "advantage_mean": adv.masked_mean(advantages, action),
             "advantage_std": jnp.sqrt(adv.masked_var(advantages, action, unbiased=False)),
+            **extra,
         }
         state = state.replace(policy_params=params, policy_opt_state=opt_state, baseline=baseline)
         return state, {f"policy/{k}": v for k, v in metrics.items()}
@@ -290,21 +444,24 @@ class Steps(NamedTuple):
     policy_update: Update
 
 
+def _estimator(config: Config) -> Estimator:
+    name = config.advantage.estimator
+    if name not in ADVANTAGE_ESTIMATORS:
+        raise ValueError(f"advantage.estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)} (got {name!r})")
+    return ADVANTAGE_ESTIMATORS[name]
+
+
 def build_steps(graphs: Graphs, policy_tx, critic_tx, config: Config) -> Steps:
     """Look the variants up once and compose: ttur_step = sequence(repeat(value_update, K), policy_update).
 
     `policy_tx` / `critic_tx` must be the transforms the state's optimizer states were made with
     (`make_train_state` wraps them in `guard_nonfinite`). Critic-free estimators skip the critic.
     """
-    estimator_name = config.advantage.estimator
-    if estimator_name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(
-            f"advantage.estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)} (got {estimator_name!r})"
-        )
+    estimator = _estimator(config)
     value_update = make_value_update(graphs, critic_tx, config)
     policy_update = make_policy_update(graphs, policy_tx, config)
     k = config.critic.updates_per_policy_update
-    if ADVANTAGE_ESTIMATORS[estimator_name].gae is None:
+    if estimator.gae is None:
         ttur = sequence(policy_update)
         warmup = sequence(lambda state, batch, key: (state, {}))
     else:
@@ -328,7 +485,8 @@ def make_train_state(
     *,
     num_prompts: int = 1,
 ) -> tuple[TrainState, Graphs]:
-    """Split the models, initialise both optimizer states and the running-mean baseline."""
+    """Split the models, initialise both optimizer states and the running-mean baseline; keep a
+    reference copy of the policy when the estimator reads one (`freeze_reference` re-takes it)."""
     policy_graph, policy_params, policy_buffers = split_model(policy)
     critic_graph, critic_params, critic_buffers = split_model(critic)
     scope_keys = num_prompts if config.advantage.running_mean_scope == "per_prompt" else 1
@@ -341,6 +499,7 @@ def make_train_state(
         critic_opt_state=critic_tx.init(critic_params),
         baseline=adv.running_mean_init(scope_keys, config.advantage.running_mean_window),
         step=jnp.zeros((), jnp.int32),
+        reference_params=jax.tree.map(jnp.copy, policy_params) if _estimator(config).reference else None,
     )
     graphs = Graphs(
         policy=policy_graph,

@@ -17,7 +17,7 @@ usage() {
   cat <<USAGE
 usage: scripts/tpu/launch.sh [--config FILE] [--name RUN] [--output-dir DIR] [--max-restarts N] [-- key=value ...]
 
-Runs on all $(num_hosts) hosts of $TPU_NAME:  sao-train --config \$CONFIG --resume output_dir=\$OUTPUT_DIR key=value ...
+Runs on all $(num_hosts) hosts of $TPU_NAME:  sao-train --distributed --config \$CONFIG --resume output_dir=\$OUTPUT_DIR key=value ...
   --config        run config, relative to the repo root (default $CONFIG)
   --name          run name (default: the config's file name): logs go to $REMOTE_LOGS/<name>.log
                   on each host and, streamed, to logs/tpu/<name>/attempt-<n>.log here
@@ -73,7 +73,7 @@ cd $REMOTE_DIR
 exec > >(tee -a $log) 2>&1
 echo \"=== \$(date -u +%FT%TZ) host \$(hostname) starts $RUN_NAME\"
 echo \$\$ > $pidfile
-exec $REMOTE_VENV/bin/sao-train --config $CONFIG --resume output_dir=$OUTPUT_DIR$quoted_overrides
+exec $REMOTE_VENV/bin/sao-train --distributed --config $CONFIG --resume output_dir=$OUTPUT_DIR$quoted_overrides
 "
 
 mkdir -p "$local_logs"

@@ -1,0 +1,182 @@
+"""Training as several processes (multi-controller JAX: one process per host, all running `sao-train`).
+
+Every process runs the same program on the same config; what differs is which devices it drives.
+
+    train state   on the global mesh of `config.mesh`: each model parameter (and its AdamW moments)
+                  sharded by its logical axes (`sharding.DEFAULT_RULES`), everything else replicated;
+                  the jitted steps run SPMD over it (`Cluster.step`)
+    batches       the whole collated batch on every process; its rows split over (data, fsdp)
+    rollouts      a list of n prompts is cut into contiguous blocks, one per process:
+                  process p rolls out prompts [⌊p·n/P⌋, ⌊(p+1)·n/P⌋) on its first local device, with a
+                  local replica of the policy weights, prompt i with key fold_in(key, i) (i global);
+                  the trajectories are then exchanged, so every process holds all n, in prompt order,
+                  and computes the same host-side metrics as one process rolling out all n
+    side effects  process 0 writes metrics.jsonl, TensorBoard, plots, config.yaml, summary.json;
+                  process p > 0 writes its own metric lines to OUTDIR/process_<p>/metrics.jsonl (to
+                  check the hosts agree); Orbax checkpoints are written by all processes together
+
+With one process every placement is the identity: the run is the single-device run it always was
+(`config.mesh` applies to multi-process runs only). Only `train.mode: sync` runs multi-process: the
+threaded async engine does not issue the same computations in the same order on every process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from sao_jax.config import Config
+from sao_jax.models import sharding
+from sao_jax.rollout import agent_loop as agent_loop_lib
+from sao_jax.rollout.trajectory import Trajectory, TrajectoryBatch
+
+log = logging.getLogger(__name__)
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None) -> None:
+    """Join a multi-process run (`sharding.initialize_distributed`); before any other JAX call.
+
+    With no arguments the coordinator, process count and id are detected (TPU pods, SLURM, ...); on
+    other machines pass all three. CPU processes exchange data over gloo (TCP), built into jaxlib.
+    """
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    sharding.initialize_distributed(coordinator_address, num_processes, process_id)
+
+
+def _identity(tree: Any) -> Any:  # one function object, so its jitted copies share one compiled program
+    return tree
+
+
+def process_block(n: int, process: int, num_processes: int) -> range:
+    """Indices of the contiguous block of n items that `process` handles: [⌊p·n/P⌋, ⌊(p+1)·n/P⌋)."""
+    return range(process * n // num_processes, (process + 1) * n // num_processes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+    """How this process takes part in the run; `mesh` is None for a single process (all identities)."""
+
+    mesh: Mesh | None = None
+
+    @classmethod
+    def for_config(cls, config: Config) -> Cluster:
+        """The global mesh of `config.mesh` when there are several processes, else no mesh."""
+        if jax.process_count() == 1:
+            return cls()
+        if config.train.mode != "sync":
+            raise ValueError(f"train.mode={config.train.mode!r} cannot run as {jax.process_count()} processes: "
+                             "multi-process training needs train.mode=sync")
+        if config.mesh.rollout_devices:
+            raise ValueError(f"mesh.rollout_devices={config.mesh.rollout_devices} is not supported with several "
+                             "processes (rollouts time-share the train mesh); set it to 0")
+        mesh = sharding.make_mesh(config.mesh.shape())
+        rows = mesh.shape["data"] * mesh.shape["fsdp"]
+        batches = [("train.batch_size", config.train.batch_size)]
+        batches += [("sft.batch_size", config.sft.batch_size)] if config.sft.steps else []
+        for key, size in batches:
+            if size % rows:
+                raise ValueError(f"{key}={size} must be a multiple of mesh data x fsdp = {rows}: "
+                                 "the batch's rows are split over them")
+        log.info("process %d of %d: train state on the mesh %s", jax.process_index(), jax.process_count(),
+                 " ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))
+        return cls(mesh)
+
+    @property
+    def is_primary(self) -> bool:
+        """Whether this process writes the run's files (process 0)."""
+        return jax.process_index() == 0
+
+    def place(self, tree: Any) -> Any:
+        """`tree` (a train state, optimizer state, params, a key) on the mesh: an NNX Variable by its
+        `out_sharding` logical axes, any other array replicated. Arrays already placed so are kept;
+        host or process-local values must be equal on every process."""
+        if self.mesh is None:
+            return tree
+
+        def place_variable(variable: nnx.Variable) -> nnx.Variable:
+            logical_axes = variable.get_metadata().get("out_sharding") or ()
+            target = sharding.logical_sharding(self.mesh, logical_axes)
+            return variable.replace(self._put(variable.get_value(), target))
+
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.tree.map(lambda x: place_variable(x) if isinstance(x, nnx.Variable) else self._put(x, replicated),
+                            tree, is_leaf=lambda x: isinstance(x, nnx.Variable))  # fmt: skip
+
+    def place_batch(self, batch: TrajectoryBatch) -> TrajectoryBatch:
+        """A collated batch (the same host arrays on every process) with its rows split over (data, fsdp)."""
+        if self.mesh is None:
+            return batch
+        return jax.tree.map(lambda x: self._put(x, sharding.logical_sharding(self.mesh, ("batch",))), batch)
+
+    def _put(self, x: Any, target: NamedSharding) -> jax.Array:
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(self._put(jax.random.key_data(x), target), impl=jax.random.key_impl(x))
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return x if x.sharding == target else jax.device_put(x, target)
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
+
+    def step(self, update: Callable) -> Callable:
+        """`update(*args)` (a jitted step) with each argument placed first: a `TrajectoryBatch` by
+        rows, anything else by `place`; traced under `sharding.use_mesh`, so the models' activation
+        constraints apply. Its outputs stay on the mesh (scalar metrics are replicated: readable)."""
+        if self.mesh is None:
+            return update
+
+        def placed(*args):
+            args = [self.place_batch(a) if isinstance(a, TrajectoryBatch) else self.place(a) for a in args]
+            with sharding.use_mesh(self.mesh):
+                return update(*args)
+
+        return placed
+
+    def local_replica(self, tree: Any) -> Any:
+        """A whole copy of `tree` (arrays on the mesh) on this process's first local device, for the
+        sampler: gathered over the mesh, then the local shard of the replicated result is taken."""
+        if self.mesh is None:
+            return tree
+        replicated = jax.jit(_identity, out_shardings=NamedSharding(self.mesh, PartitionSpec()))(tree)
+        return jax.tree.map(lambda x: x.addressable_data(0), replicated)
+
+    def all_gather(self, items: Sequence[Any]) -> list[Any]:
+        """Every process's `items` (picklable), concatenated in process order, on every process."""
+        if self.mesh is None:
+            return list(items)
+        data = np.frombuffer(pickle.dumps(list(items)), np.uint8)
+        lengths = multihost_utils.process_allgather(np.array(len(data), np.int64))
+        padded = np.zeros(int(lengths.max()), np.uint8)
+        padded[: len(data)] = data
+        gathered = multihost_utils.process_allgather(padded)
+        return [item for row, length in zip(gathered, lengths) for item in pickle.loads(row[:length].tobytes())]
+
+    def rollouts(self, loop: agent_loop_lib.AgentLoop) -> agent_loop_lib.AgentLoop | ProcessRollouts:
+        """`loop` itself for one process, else the `ProcessRollouts` that shares its prompts out."""
+        return loop if self.mesh is None else ProcessRollouts(loop, self)
+
+
+class ProcessRollouts:
+    """`AgentLoop.rollout` shared out over the processes (module docstring): each rolls out its block
+    of the prompts with a local replica of the weights and the prompts' global keys, and every process
+    returns all trajectories in prompt order — the same list one process would roll out alone."""
+
+    def __init__(self, loop: agent_loop_lib.AgentLoop, cluster: Cluster):
+        self.loop, self.cluster = loop, cluster
+
+    def rollout(self, weights: tuple[Any, int], prompts: Sequence[Any], key: jax.Array) -> list[Trajectory]:
+        """weights: `(params on the mesh, version)`; prompts and key: as `AgentLoop.rollout`."""
+        params, version = weights
+        prompts = list(prompts)
+        mine = process_block(len(prompts), jax.process_index(), jax.process_count())
+        local = (self.cluster.local_replica(params), version)
+        trajectories = self.loop.rollout(local, [prompts[i] for i in mine], key, first_index=mine.start)
+        return self.cluster.all_gather(trajectories)

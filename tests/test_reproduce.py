@@ -1,0 +1,342 @@
+"""configs/ (every file loads; each ablation is its base plus exactly what it names) and
+scripts/reproduce.py (statistics against hand computations, the report from synthetic metrics files,
+resumable runs with a stubbed `train`, and one real tiny run)."""
+
+import importlib.util
+import json
+import math
+import pathlib
+import sys
+
+import pytest
+import yaml
+
+from sao_jax.config import load_config, to_dict
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "configs"
+ABLATIONS = CONFIGS / "ablations"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("reproduce", ROOT / "scripts" / "reproduce.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the script loads
+    spec.loader.exec_module(module)
+    return module
+
+
+reproduce = _load_script()
+
+
+def _config_params(paths):
+    return [pytest.param(p, id=str(p.relative_to(CONFIGS))) for p in paths]
+
+
+def flatten(tree, prefix=""):
+    """{"a.b": leaf} of a nested dict (lists are leaves)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def plain(config):
+    return json.loads(json.dumps(to_dict(config)))
+
+
+# ------------------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize("path", _config_params(sorted(CONFIGS.rglob("*.yaml"))))
+def test_every_config_file_loads(path):
+    load_config(path)
+
+
+def test_default_yaml_is_the_embedded_default():
+    assert to_dict(load_config(CONFIGS / "default.yaml")) == to_dict(load_config(None))
+
+
+@pytest.mark.parametrize("path", _config_params(sorted(ABLATIONS.rglob("*.yaml"))))
+def test_ablation_differs_from_its_base_only_in_the_keys_it_names(path):
+    raw = yaml.safe_load(path.read_text())
+    base = path.parent / raw.pop("base")
+    named = set(flatten(raw))
+    got, expected = flatten(plain(load_config(path))), flatten(plain(load_config(base)))
+    changed = {k for k in got if got[k] != expected.get(k)}  # env.options keys exist only where named
+    assert changed <= named, f"{path.name} changes {sorted(changed - named)} without naming them"
+    for key in named:  # each named key holds the value the file gives it
+        assert got[key] == raw_value(raw, key), key
+
+
+def raw_value(raw, dotted):
+    for key in dotted.split("."):
+        raw = raw[key]
+    return json.loads(json.dumps(raw))
+
+
+# The rows as the issue describes them (dotted key -> value), checked on the loaded configs.
+ISSUE_ROWS = {
+    "table4/no_faster_value": {"critic.updates_per_policy_update": 1},
+    "table4/no_frozen_attention": {"critic.trainable_patterns": [".*"]},
+    "table4/vanilla_vapo": {"loss.name": "ppo_clip", "loss.eps_low": 0.2, "loss.eps_high": 0.28},
+    "table4/running_mean": {"advantage.estimator": "running_mean", "advantage.running_mean_scope": "per_prompt",
+                            "advantage.running_mean_window": 8},
+    "table4/grpo_dis": {"advantage.estimator": "grpo", "advantage.group_size": 8, "loss.name": "dis"},
+    "table5/step_average": {"advantage.estimator": "step_gae_mean"},
+    "table5/step_last_token": {"advantage.estimator": "step_gae_last"},
+    "table5/token_level": {"advantage.estimator": "skip_observation_gae"},
+    "open/skip_observation": {"env.name": "guessing", "advantage.estimator": "skip_observation_gae"},
+    "open/cross_observation": {"env.name": "guessing", "advantage.estimator": "cross_observation_gae"},
+    "open/dis": {"loss.name": "dis"},
+    "open/estr": {"loss.name": "estr"},
+    "online/sao": {"env.name": "style_shift", "advantage.estimator": "skip_observation_gae"},
+    "online/running_mean": {"env.name": "style_shift", "advantage.estimator": "running_mean",
+                            "advantage.running_mean_scope": "global", "advantage.running_mean_window": 128},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("row", _config_params([ABLATIONS / f"{r}.yaml" for r in ISSUE_ROWS]))
+def test_rows_hold_the_settings_of_the_issue(row):
+    got = flatten(plain(load_config(row)))
+    for key, value in ISSUE_ROWS[f"{row.parent.name}/{row.stem}"].items():
+        assert got[key] == value, key
+
+
+def test_sao_rows_are_the_default_and_paired_rows_share_everything_but_their_variable():
+    default = plain(load_config(CONFIGS / "default.yaml"))
+    assert plain(load_config(ABLATIONS / "table4" / "sao.yaml")) == default
+    assert plain(load_config(ABLATIONS / "table5" / "token_level.yaml")) == default
+    skip = flatten(plain(load_config(ABLATIONS / "open" / "skip_observation.yaml")))
+    cross = flatten(plain(load_config(ABLATIONS / "open" / "cross_observation.yaml")))
+    assert {k for k in skip if skip[k] != cross[k]} == {"advantage.estimator"}
+    dis = flatten(plain(load_config(ABLATIONS / "open" / "dis.yaml")))
+    estr = flatten(plain(load_config(ABLATIONS / "open" / "estr.yaml")))
+    assert {k for k in dis if dis[k] != estr[k]} == {"loss.name"}  # estr_tau 1.0 is the default too
+    assert dis["train.mode"] == "async"
+
+
+def test_online_schedule_switches_at_least_twice_within_the_run():
+    config = load_config(ABLATIONS / "online" / "sao.yaml")
+    switches = config.env.options["switches"]
+    assert len(switches) >= 3 and switches[0][0] == 0
+    assert all(step < config.train.steps for step, _ in switches)
+
+
+def test_every_suite_row_has_a_config_and_every_ablation_config_is_a_row():
+    rows = {f"{name}/{row.name}" for name, suite in reproduce.SUITES.items() for row in suite.rows}
+    files = {f"{p.parent.name}/{p.stem}" for p in ABLATIONS.rglob("*.yaml")}
+    assert rows == files
+
+
+# ----------------------------------------------------------------------------------- statistics
+
+
+def test_mean_ci95_matches_hand_computation():
+    # [0.5, 0.7, 0.9]: mean 0.7, s = 0.2, t_{0.975, 2} = 4.303 -> 4.303 · 0.2 / √3 = 0.4968679
+    mean, half = reproduce.mean_ci95([0.5, 0.7, 0.9])
+    assert mean == pytest.approx(0.7) and half == pytest.approx(0.4968679, abs=1e-6)
+    # [1, 2, 3, 4, 5]: s = √2.5, t_{0.975, 4} = 2.776 -> 2.776 · 1.5811388 / √5 = 1.9629280
+    mean, half = reproduce.mean_ci95([1, 2, 3, 4, 5])
+    assert mean == pytest.approx(3.0) and half == pytest.approx(1.9629280, abs=1e-6)
+    mean, half = reproduce.mean_ci95([0.25])
+    assert mean == 0.25 and math.isnan(half)
+
+
+def test_t_table_matches_scipy_and_rounds_down_to_a_wider_interval():
+    stats = pytest.importorskip("scipy.stats")
+    for df, value in reproduce.T_975.items():
+        assert value == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4), df
+    for df in (35, 45, 100, 500):  # between table entries: the next smaller df, never narrower
+        assert reproduce.t_critical_95(df) >= stats.t.ppf(0.975, df)
+    with pytest.raises(ValueError, match="degrees of freedom"):
+        reproduce.t_critical_95(0)
+
+
+def test_run_scores_final_max_and_normalised_area():
+    lines = [{"step": 0, "stage": "sft", "sft/nll": 3.0}, {"step": 0, "eval/success_rate": 0.5},
+             {"step": 10, "train/reward_mean": 0.1}, {"step": 10, "eval/success_rate": 0.7},
+             {"step": 30, "eval/success_rate": 0.6}]  # fmt: skip
+    scores = reproduce.run_scores(lines)
+    # area: (0.5+0.7)/2·10 + (0.7+0.6)/2·20 = 6 + 13 = 19, over 30 steps
+    assert scores == pytest.approx({"final": 0.6, "max": 0.7, "auc": 19 / 30})
+
+
+def write_run(folder, evals, *, finished=True, extra=()):
+    folder.mkdir(parents=True)
+    lines = [{"step": 0, "stage": "sft", "sft/nll": 2.0}]
+    lines += [{"step": s, "eval/success_rate": v} for s, v in evals]
+    lines += list(extra)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if finished:
+        (folder / "summary.json").write_text("{}")
+
+
+def test_report_table_from_synthetic_metrics(tmp_path):
+    finals = {"token_level": [0.89, 0.90, 0.91], "step_average": [0.69, 0.70, 0.71], "step_last_token": [0.95, 0.96, 0.97]}
+    for row, values in finals.items():
+        for seed, final in enumerate(values):
+            write_run(tmp_path / "table5" / row / f"seed{seed}", [(0, 0.5), (10, 0.7), (30, final)])
+    # An unfinished run (no summary.json) is left out of the table.
+    write_run(tmp_path / "table5" / "token_level" / "seed3", [(0, 0.0), (10, 0.0)], finished=False)
+    report = reproduce.write_report("table5", tmp_path).read_text()
+    by_row = {line.split("`")[1].removesuffix(".yaml"): [c.strip() for c in line.strip("|").split("|")]
+              for line in report.splitlines() if line.startswith("| ") and ".yaml`" in line}  # fmt: skip
+    # final: mean ± 4.303 · 0.01 / √3 = ±0.0248 -> "90.0 ± 2.5"; max = max(0.7, final);
+    # AUC = (6 + (0.7 + f)/2 · 20) / 30 = (13 + 10 f) / 30 -> 73.3 ± 0.8 for f = 0.90
+    assert set(by_row) == set(finals)
+    assert by_row["token_level"][2:6] == ["3", "90.0 ± 2.5", "90.0 ± 2.5", "73.3 ± 0.8"]
+    # max of step_average: [0.70, 0.70, 0.71]: 70.33, s = 0.0057735 -> ± 4.303 · 0.0057735 / √3 = 0.0143
+    assert by_row["step_average"][2:7] == ["3", "70.0 ± 2.5", "70.3 ± 1.4", "66.7 ± 0.8", "-20.0"]
+    assert by_row["step_average"][7:] == ["85.8", "agrees"]  # paper 85.8 < 89.8 and ours 70 < 90
+    assert by_row["step_last_token"][6:] == ["+6.0", "87.3", "disagrees"]
+    assert (tmp_path / "table5" / "success.png").stat().st_size > 0
+
+
+def test_direction_says_when_the_intervals_overlap_or_there_is_one_seed(tmp_path):
+    comparison = reproduce.SUITES["table4"].comparisons[0]
+    rows = {r.name: r for r in comparison.rows}
+    finals = {"sao": [0.8, 0.9], "no_faster_value": [0.85, 0.95], "grpo_dis": [0.5]}
+    assert reproduce.direction(comparison, rows["no_faster_value"], finals) == "disagrees (CIs overlap)"
+    assert reproduce.direction(comparison, rows["grpo_dis"], finals) == "agrees (1 seed)"  # SWE-Bench column
+    assert reproduce.direction(comparison, rows["running_mean"], finals) == "—"  # not run
+    finals["vanilla_vapo"] = [0.9, 0.8]
+    assert reproduce.direction(comparison, rows["vanilla_vapo"], finals) == "tie (CIs overlap)"
+
+
+def style_lines(targets, shares):
+    return [{"step": s, "train/target_style": t, **{f"train/style_share/{k}": v for k, v in share.items()}}
+            for s, (t, share) in enumerate(zip(targets, shares), start=1)]
+
+
+def test_realignment_counts_steps_until_the_new_style_holds_a_majority_for_five_steps():
+    # Steps 1-10 cute; step 11 switches to classical, which reaches ≥ 0.5 from step 14 on (with a dip
+    # at step 13 before it); step 21 switches to chuunibyou, which never holds five steps running.
+    targets = ["cute"] * 10 + ["classical"] * 10 + ["chuunibyou"] * 6
+    classical = [0.0] * 10 + [0.2, 0.6, 0.4, 0.5, 0.7, 0.8, 0.9, 0.9, 0.9, 0.9] + [0.9] * 6
+    chuuni = [0.0] * 20 + [0.6, 0.6, 0.6, 0.6, 0.1, 0.6]
+    shares = [{"classical": a, "chuunibyou": b, "cute": 1 - a - b} for a, b in zip(classical, chuuni)]
+    found = reproduce.realignment(style_lines(targets, shares))
+    assert found == [{"switch_step": 11, "style": "classical", "steps": 3},
+                     {"switch_step": 21, "style": "chuunibyou", "steps": None}]  # fmt: skip
+
+
+def test_online_and_keep_rule_reports_from_synthetic_metrics(tmp_path):
+    targets = ["cute"] * 4 + ["classical"] * 8
+    for row, delay in (("sao", 1), ("running_mean", 3)):
+        for seed in range(2):
+            shares = [{"cute": 0.9, "classical": 0.1}] * 4 + [
+                {"cute": 0.8, "classical": 0.2} if i < delay else {"cute": 0.1, "classical": 0.9} for i in range(8)]
+            write_run(tmp_path / "online" / row / f"seed{seed}", [(0, 0.3), (12, 0.8)],
+                      extra=style_lines(targets, shares))
+    report = reproduce.write_report("online", tmp_path).read_text()
+    realign = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in report.splitlines()
+               if line.startswith("| ") and "realigned" in line}  # fmt: skip
+    assert realign == {"SAO": "1.0 ± 0.0 (2/2 realigned)", "running mean (global, 128)": "3.0 ± 0.0 (2/2 realigned)"}
+    assert (tmp_path / "online" / "style_share.png").stat().st_size > 0
+
+    for row, fraction in (("dis", [0.0, 0.01, 0.02]), ("estr", [0.1, 0.2, 0.3])):
+        for seed, f in enumerate(fraction):
+            write_run(tmp_path / "open" / row / f"seed{seed}", [(0, 0.5), (4, 0.6)],
+                      extra=[{"step": s, "policy/masked_fraction": f * s, "policy/masked_entropy_mean": 1.0}
+                             for s in (1, 2, 3)])  # fmt: skip
+    steps, mean, half = reproduce.per_step(
+        [reproduce.load_runs(tmp_path, "open", "estr")[k] for k in range(3)], "policy/masked_fraction")
+    assert steps.tolist() == [1, 2, 3]
+    assert mean == pytest.approx([0.2, 0.4, 0.6]) and half == pytest.approx([s * 0.2484339 for s in (1, 2, 3)], abs=1e-6)
+    reproduce.write_report("open", tmp_path)
+    assert (tmp_path / "open" / "keep_rule.png").stat().st_size > 0
+
+
+# --------------------------------------------------------------------------------- running suites
+
+
+class StubTrain:
+    """Records each call and writes what a finished run leaves behind."""
+
+    def __init__(self, fail_on=()):
+        self.calls, self.fail_on = [], fail_on
+
+    def __call__(self, config, *, resume):
+        self.calls.append((config, resume))
+        out = pathlib.Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+        if any(name in config.output_dir for name in self.fail_on):
+            raise RuntimeError("interrupted")
+        (out / "metrics.jsonl").write_text(json.dumps({"step": 0, "eval/success_rate": 0.5}) + "\n")
+        (out / "summary.json").write_text("{}")
+        return {}
+
+
+def test_finished_runs_are_skipped_and_interrupted_ones_resumed(tmp_path):
+    train = StubTrain()
+    outcome = reproduce.run_suite("table5", 2, tmp_path, train_fn=train, log=lambda _: None)
+    assert len(outcome["ran"]) == 6 and not outcome["failed"]
+    assert sorted((c.output_dir, c.seed, resume) for c, resume in train.calls) == sorted(
+        (str(tmp_path / "table5" / row / f"seed{k}"), k, False)
+        for row in ("token_level", "step_average", "step_last_token") for k in (0, 1))  # fmt: skip
+
+    train.calls.clear()
+    outcome = reproduce.run_suite("table5", 2, tmp_path, train_fn=train, log=lambda _: None)
+    assert len(outcome["skipped"]) == 6 and train.calls == []
+
+    (tmp_path / "table5" / "step_average" / "seed1" / "summary.json").unlink()  # killed before the end
+    outcome = reproduce.run_suite("table5", 2, tmp_path, train_fn=train, log=lambda _: None)
+    assert outcome["resumed"] == [str(tmp_path / "table5" / "step_average" / "seed1")]
+    assert [(c.output_dir, resume) for c, resume in train.calls] == [(outcome["resumed"][0], True)]
+
+
+def test_a_folder_of_another_config_is_an_error_and_a_failing_row_does_not_stop_the_suite(tmp_path):
+    train = StubTrain(fail_on=("step_average",))
+    messages = []
+    outcome = reproduce.run_suite("table5", 1, tmp_path, train_fn=train, log=messages.append)
+    assert outcome["failed"] == [str(tmp_path / "table5" / "step_average" / "seed0")]
+    assert len(outcome["ran"]) == 2 and any("interrupted" in m for m in messages)
+
+    messages.clear()
+    outcome = reproduce.run_suite("table5", 1, tmp_path, overrides=["train.steps=7"], train_fn=StubTrain(),
+                                  log=messages.append)  # fmt: skip
+    assert len(outcome["failed"]) == 3
+    assert any("differs in train.steps" in m for m in messages)
+
+
+def test_quick_caps_budgets_but_keeps_a_critic_free_row_without_value_pretraining(tmp_path):
+    train = StubTrain()
+    reproduce.run_suite("table4", 1, tmp_path, quick=True, train_fn=train, log=lambda _: None)
+    configs = {pathlib.Path(c.output_dir).parent.name: c for c, _ in train.calls}
+    assert configs["sao"].train.steps == 6 and configs["sao"].critic.pretrain_rollouts == 16
+    assert configs["sao"].sft.steps == 20 and configs["sao"].env.eval_prompts == 16
+    assert configs["running_mean"].critic.pretrain_rollouts == 0
+    assert configs["grpo_dis"].train.batch_size == 8 and configs["grpo_dis"].advantage.group_size == 8
+
+
+TINY = ["model.preset=tiny_qwen3_moe", "env.difficulty=[1]", "rollout.max_total_tokens=64",
+        "rollout.max_action_tokens=24", "rollout.num_slots=4", "sft.steps=4", "critic.pretrain_rollouts=8",
+        "train.steps=3", "train.eval_every=3", "env.eval_prompts=8"]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_quick_run_of_the_estr_row_calibrates_tau_trains_and_reports(tmp_path):
+    """The open suite's ESTR row end to end with the real trainer (async), on tiny budgets."""
+    from sao_jax.train.loop import train
+
+    path = reproduce.config_file("open", "estr")
+    overrides = [*reproduce.quick_overrides(load_config(path, TINY), reproduce.SUITES["open"]), *TINY]
+    output_dir = reproduce.run_dir(tmp_path, "open", "estr", 0)
+    status = reproduce.run_one(path, output_dir, 0, overrides, train_fn=train,
+                               calibrate=reproduce.CALIBRATIONS[("open", "estr")])  # fmt: skip
+    assert status == "ran"
+    calibration = json.loads((output_dir / reproduce.ESTR_CALIBRATION_FILE).read_text())
+    # The calibrated τ masks DIS's step-0 fraction of the calibration batch, within one token.
+    assert abs(calibration["estr_masked_fraction"] - calibration["dis_masked_fraction"]) <= 1 / calibration["action_tokens"]
+    saved = yaml.safe_load((output_dir / "config.yaml").read_text())
+    assert saved["loss"]["name"] == "estr" and saved["loss"]["estr_tau"] == calibration["estr_tau"]
+    assert saved["train"]["mode"] == "async" and saved["train"]["steps"] == 3
+    assert reproduce.run_one(path, output_dir, 0, overrides, train_fn=train,
+                             calibrate=reproduce.CALIBRATIONS[("open", "estr")]) == "skipped"  # fmt: skip
+    report = reproduce.write_report("open", tmp_path).read_text()
+    assert "| ESTR (τ calibrated) | `estr.yaml` | 1 |" in report and "τ =" in report

@@ -1,0 +1,121 @@
+"""`sao-train` as 2 local processes (`jax.distributed` on loopback, gloo CPU collectives, one CPU device
+each) against the same run as 1 process with the same global batch."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sao_jax.cli import main
+from sao_jax.train.distributed import process_block
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 600
+# SFT, value pretraining, the step-0 evaluation, two TTUR steps, a final evaluation, and a checkpoint
+# after each of them.
+TINY_RUN = [
+    "model.preset=tiny_qwen3_moe", "env.train_prompts=16", "env.eval_prompts=4", "env.difficulty=[1]",
+    "rollout.num_slots=4", "rollout.max_total_tokens=64", "rollout.max_action_tokens=16", "sft.steps=2",
+    "sft.batch_size=4", "critic.pretrain_rollouts=4", "critic.pretrain_epochs=1", "critic.warmup_steps=0",
+    "train.steps=2", "train.batch_size=4", "train.eval_every=2", "train.checkpoint_every=1",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start(output_dir: Path, cache_dir: Path, *processes: str) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+               JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
+    command = [sys.executable, "-m", "sao_jax.cli", *processes, f"output_dir={output_dir}", *TINY_RUN]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(runs: list[subprocess.Popen]) -> list[str]:
+    """Each run's output; a hang or a failure of any run fails the test with the outputs."""
+    try:
+        outputs = [run.communicate(timeout=TIMEOUT_S)[0] for run in runs]
+    except subprocess.TimeoutExpired:
+        for run in runs:
+            run.kill()
+        pytest.fail(f"sao-train did not finish within {TIMEOUT_S}s")
+    for run, output in zip(runs, outputs):
+        assert run.returncode == 0, f"{run.args} exited with {run.returncode}:\n{output[-4000:]}"
+    return outputs
+
+
+def metric_lines(path: Path) -> list[dict]:
+    """Every line of a metrics file less its wall-clock timings."""
+    lines = [json.loads(text) for text in path.read_text().splitlines()]
+    return [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(2-process output dir, 1-process output dir, outputs of processes 0 and 1)."""
+    tmp = tmp_path_factory.mktemp("multiprocess")
+    cache = tmp / "jax_cache"
+    # The reference first: the two processes then find its sampler programs in the compilation cache.
+    finish([start(tmp / "one", cache)])
+    port = free_port()
+    outputs = finish([start(tmp / "two", cache, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                            "--process-id", str(i)) for i in range(2)])  # fmt: skip
+    return tmp / "two", tmp / "one", outputs
+
+
+@pytest.mark.slow
+def test_both_processes_log_identical_metrics_and_only_process_0_writes_the_run_files(runs):
+    two, _, outputs = runs
+    for i, output in enumerate(outputs):
+        assert f"process {i} of 2: train state on the mesh data=1 fsdp=2 expert=1 tensor=1" in output
+    lines = metric_lines(two / "metrics.jsonl")
+    assert metric_lines(two / "process_1" / "metrics.jsonl") == lines
+    assert list(dict.fromkeys(line.get("stage") for line in lines)) == ["sft", "value_pretrain", None]
+    assert [line["step"] for line in lines if "eval/success_rate" in line] == [0, 2]
+    assert [line["step"] for line in lines if "policy/loss" in line] == [1, 2]
+    assert sorted(p.name for p in (two / "process_1").iterdir()) == ["metrics.jsonl"]
+    assert {"config.yaml", "summary.json", "plots", "tensorboard"} <= {p.name for p in two.iterdir()}
+    assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_the_same_global_batch(runs):
+    two, one, _ = runs
+    got, expected = metric_lines(two / "metrics.jsonl"), metric_lines(one / "metrics.jsonl")
+    assert [sorted(line) for line in got] == [sorted(line) for line in expected]
+    inexact = set()
+    for got_line, expected_line in zip(got, expected):
+        for key, value in expected_line.items():
+            if got_line[key] == value:
+                continue
+            inexact.add(key)
+            # The sharded steps sum in another order than one device: float32 rounding only.
+            assert isinstance(value, float), f"step {expected_line['step']} {key}: {got_line[key]!r} != {value!r}"
+            np.testing.assert_allclose(got_line[key], value, rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {expected_line['step']} {key}")  # fmt: skip
+    # Rollouts sample the same tokens (each prompt's key is its global index): what they measure is exact.
+    assert not {key for key in inexact if key.startswith(("train/", "eval/"))}, inexact
+
+
+def test_process_blocks_cover_the_prompts_in_order():
+    for n in range(12):
+        for count in range(1, 5):
+            blocks = [process_block(n, p, count) for p in range(count)]
+            assert [i for block in blocks for i in block] == list(range(n))
+            assert max(map(len, blocks)) - min(map(len, blocks)) <= 1
+
+
+def test_coordinator_without_process_count_and_id_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--coordinator", "127.0.0.1:1234", "train.steps=1"])
+    assert exit_info.value.code == 2
+    assert "--coordinator, --num-processes and --process-id go together" in capsys.readouterr().err
