@@ -270,36 +270,14 @@ def make_tunix_setup(
     return ppo_trainers(actor, critic, ppo_config, learning_rate=learning_rate), example
 
 
-def make_tunix_updates(
-    *,
-    batch: int,
-    seq: int,
-    d_model: int,
-    num_layers: int,
-    num_heads: int,
-    head_dim: int,
-    mlp_dim: int,
-    vocab: int,
-    num_kv_heads: int | None = None,
-    num_experts: int | None = None,
-    num_experts_per_token: int = 2,
-    tie_embeddings: bool = True,
-    prompt_len: int | None = None,
-    learning_rate: float = 1e-5,
-    seed: int = 0,
-) -> dict[str, Callable[[], Any]]:
+def make_tunix_updates(**setup: Any) -> dict[str, Callable[[], Any]]:
     """{"tunix actor update": f, "tunix critic update": g}: each call is one real update of that model
     (forward, backward, AdamW step) by its Tunix trainer's jitted step, on the same mini-batch every
-    time, returning (loss, aux, grad_norm) un-synced. The first call compiles. The mini-batch is
-    `make_tunix_setup(...)[1]` for the same arguments (the build is deterministic in `seed`). FLOPs
-    per call: `tunix_update_flops(tunix_qwen3_config(...), batch=, seq=)`; parameters:
+    time, returning (loss, aux, grad_norm) un-synced. The first call compiles. `setup`: the keyword
+    arguments of `make_tunix_setup` (the build is deterministic in `seed`). FLOPs per call:
+    `tunix_update_flops(tunix_qwen3_config(...), batch=, seq=)`; parameters:
     `tunix_param_counts(tunix_qwen3_config(...))`."""
-    trainers, example = make_tunix_setup(
-        batch=batch, seq=seq, d_model=d_model, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim,
-        mlp_dim=mlp_dim, vocab=vocab, num_kv_heads=num_kv_heads, num_experts=num_experts,
-        num_experts_per_token=num_experts_per_token, tie_embeddings=tie_embeddings, prompt_len=prompt_len,
-        learning_rate=learning_rate, seed=seed,
-    )  # fmt: skip
+    trainers, example = make_tunix_setup(**setup)
     calls = {}
     for name, trainer in trainers.items():
         train_step, _ = trainer.jit_train_and_eval_step(cache_nnx_graph=True)

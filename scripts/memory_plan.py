@@ -71,7 +71,7 @@ from flax import nnx
 
 from sao_jax import models, optim
 from sao_jax.models.layers import KVCache
-from sao_jax.models.sharding import DEFAULT_RULES, MESH_AXES, LogicalRules, logical_to_spec
+from sao_jax.models.sharding import DEFAULT_RULES, MESH_AXES, LogicalRules, logical_to_spec, mesh_sizes
 
 GIB = 2**30
 
@@ -118,19 +118,8 @@ def parse_mesh(text: str) -> dict[str, int]:
 
 
 def resolve_mesh(shape: Mapping[str, int], chips: int) -> dict[str, int]:
-    """All four mesh axes with sizes; unnamed axes are 1, one axis may be -1 (= the remaining chips)."""
-    sizes = {axis: int(shape.get(axis, 1)) for axis in MESH_AXES}
-    free = [axis for axis, size in sizes.items() if size == -1]
-    if len(free) > 1 or any(size == 0 or size < -1 for size in sizes.values()):
-        raise ValueError(f"mesh {dict(shape)}: sizes must be >= 1, with at most one -1")
-    fixed = math.prod(size for size in sizes.values() if size != -1)
-    if free:
-        if chips % fixed:
-            raise ValueError(f"mesh {dict(shape)}: {chips} chips are not divisible by {fixed}")
-        sizes[free[0]] = chips // fixed
-    if math.prod(sizes.values()) != chips:
-        raise ValueError(f"mesh {dict(shape)} has {math.prod(sizes.values())} positions for {chips} chips")
-    return sizes
+    """All four mesh axes with sizes (`sharding.mesh_sizes`): unnamed axes are 1, one may be -1."""
+    return mesh_sizes(shape, chips)
 
 
 def shard_shape(shape: Sequence[int], logical_axes: Sequence[str | None], mesh: Mapping[str, int],

@@ -217,7 +217,7 @@ def test_mesh_and_accelerator_parsing():
     with pytest.raises(ValueError, match="AXIS=SIZE"):
         mp.parse_mesh("model=2")
     assert mp.resolve_mesh({"expert": 4, "fsdp": -1}, 32) == {"data": 1, "fsdp": 8, "expert": 4, "tensor": 1}
-    with pytest.raises(ValueError, match="positions for 32 chips"):
+    with pytest.raises(ValueError, match="has 16 positions but there are 32 devices"):
         mp.resolve_mesh({"fsdp": 16}, 32)
 
 

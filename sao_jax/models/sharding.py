@@ -80,14 +80,9 @@ def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None]) ->
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(logical_axes, rules)))
 
 
-def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A mesh over (data, fsdp, expert, tensor) from `shape`, e.g. `{"data": 2, "fsdp": -1}`.
-
-    Axes not named get size 1; one axis may be -1, meaning all remaining devices. The product of the
-    sizes must equal the number of `devices` (default: all devices of all processes). Mesh axes are
-    `Auto`, so sharding follows `with_logical_constraint` and the parameter shardings.
-    """
-    devices = list(jax.devices() if devices is None else devices)
+def mesh_sizes(shape: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Every mesh axis's size from `shape`, e.g. `{"data": 2, "fsdp": -1}`: axes not named get 1, one
+    axis may be -1 (all remaining devices); the sizes must multiply to `num_devices`."""
     unknown = sorted(set(shape) - set(MESH_AXES))
     if unknown:
         raise ValueError(f"unknown mesh axis {unknown} in {dict(shape)}; mesh axes are {MESH_AXES}")
@@ -97,16 +92,26 @@ def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = N
         raise ValueError(f"mesh shape {dict(shape)}: sizes must be >= 1, with at most one -1")
     known = math.prod(size for size in sizes.values() if size != -1)
     if rest:
-        if len(devices) % known:
+        if num_devices % known:
             raise ValueError(
-                f"mesh shape {dict(shape)}: {len(devices)} devices are not divisible by the fixed axes' product {known}"
+                f"mesh shape {dict(shape)}: {num_devices} devices are not divisible by the fixed axes' product {known}"
             )
-        sizes[rest[0]] = len(devices) // known
-    elif known != len(devices):
+        sizes[rest[0]] = num_devices // known
+    elif known != num_devices:
         raise ValueError(
-            f"mesh shape {dict(shape)} has {known} positions but there are {len(devices)} devices; "
+            f"mesh shape {dict(shape)} has {known} positions but there are {num_devices} devices; "
             "make the sizes multiply to the device count or set one axis to -1"
         )
+    return sizes
+
+
+def make_mesh(shape: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over (data, fsdp, expert, tensor) with `mesh_sizes(shape, len(devices))` (devices default:
+    all devices of all processes). Mesh axes are `Auto`, so sharding follows `with_logical_constraint`
+    and the parameter shardings.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_sizes(shape, len(devices))
     return jax.make_mesh(
         tuple(sizes.values()), MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES), devices=devices
     )
