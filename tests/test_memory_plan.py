@@ -231,7 +231,7 @@ def test_cli_markdown_json_and_errors(capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["critic"]["trainable_params"] == CRITIC_BF16 + VALUE_HEAD
     assert mp.main([*args[:4], "--mesh", "fsdp=3"]) == 2
-    assert "positions for 8 chips" in capsys.readouterr().err
+    assert "has 3 positions but there are 8 devices" in capsys.readouterr().err
 
 
 def test_axis_table_names_every_rule():
