@@ -231,40 +231,22 @@ def ppo_trainers(
 
 
 def make_tunix_setup(
-    *,
-    batch: int,
-    seq: int,
-    d_model: int,
-    num_layers: int,
-    num_heads: int,
-    head_dim: int,
-    mlp_dim: int,
-    vocab: int,
-    num_kv_heads: int | None = None,
-    num_experts: int | None = None,
-    num_experts_per_token: int = 2,
-    tie_embeddings: bool = True,
-    prompt_len: int | None = None,
-    learning_rate: float = 1e-5,
-    seed: int = 0,
+    *, batch: int, seq: int, prompt_len: int | None = None, learning_rate: float = 1e-5, seed: int = 0, **sizes: Any
 ) -> tuple[dict[str, rl_trainer.Trainer], ppo_learner.TrainExample]:
-    """(trainers, train_example): the two Tunix trainers of `ppo_trainers` on fresh models of these
-    sizes, and one mini-batch of `batch` rows of `seq` tokens (`prompt_len`, default seq // 4, of
-    prompt, the rest completion). Default `PPOConfig` hyper-parameters."""
+    """(trainers, train_example): the two Tunix trainers of `ppo_trainers` on fresh models of `sizes`
+    (the keyword arguments of `tunix_qwen3_config`), and one mini-batch of `batch` rows of `seq` tokens
+    (`prompt_len`, default seq // 4, of prompt, the rest completion). Default `PPOConfig` hyper-parameters."""
     prompt_len = seq // 4 if prompt_len is None else prompt_len
     if not 1 <= prompt_len < seq:
         raise ValueError(f"prompt_len must be in [1, seq={seq}), got {prompt_len}")
-    config = tunix_qwen3_config(
-        d_model=d_model, num_layers=num_layers, num_heads=num_heads, head_dim=head_dim, mlp_dim=mlp_dim, vocab=vocab,
-        num_kv_heads=num_kv_heads, num_experts=num_experts, num_experts_per_token=num_experts_per_token,
-        tie_embeddings=tie_embeddings,
-    )  # fmt: skip
+    config = tunix_qwen3_config(**sizes)
     ppo_config = ppo_learner.PPOConfig()
     rngs = nnx.Rngs(seed)
     actor = qwen3.Qwen3(config, rngs=rngs)
     critic = Qwen3WithValueHead(config, rngs=rngs)
     example = ppo_train_example(
-        actor, critic, ppo_config, batch=batch, prompt_len=prompt_len, completion_len=seq - prompt_len, vocab=vocab,
+        actor, critic, ppo_config, batch=batch, prompt_len=prompt_len, completion_len=seq - prompt_len,
+        vocab=config.vocab_size,
         key=jax.random.key(seed + 1),
     )  # fmt: skip
     return ppo_trainers(actor, critic, ppo_config, learning_rate=learning_rate), example
