@@ -4,7 +4,7 @@ actor and critic updates on a model of the same size and batch.
 
     python benchmarks/train_step.py                    # d_model 512 MoE, 16×256, float32, + Tunix (CPU)
     python benchmarks/train_step.py --quick            # tiny shapes, a smoke test
-    python benchmarks/train_step.py --preset moe_1b --dispatch sorted --batch 16 --seq 2048 --no-tunix
+    python benchmarks/train_step.py --preset moe_1b --dispatch sorted --batch 16 --seq 1024 --remat --no-tunix
                                                        # ~1B-parameter MoE in bfloat16, for accelerators
 
 The steps are the trainer's own (`sao_jax.train.steps.build_steps` with the default config: frozen-
@@ -116,11 +116,13 @@ def matmul_peak(n: int, dtype):
     return (lambda: dot(a, b)), 2 * n**3
 
 
-def sao_calls(model_config: ModelConfig, batch: TrajectoryBatch, config: Config) -> dict:
+def sao_calls(model_config: ModelConfig, batch: TrajectoryBatch, config: Config, *, frozen_only: bool = False) -> dict:
     """Zero-argument calls running each of our updates once on `batch` (state donated and replaced)."""
     policy = Policy(model_config, rngs=nnx.Rngs(0))
     calls = {}
-    for label, patterns in (("frozen attention", config.critic.trainable_patterns), ("all trainable", ALL_TRAINABLE)):
+    variants = [("frozen attention", config.critic.trainable_patterns)]
+    variants += [] if frozen_only else [("all trainable", ALL_TRAINABLE)]
+    for label, patterns in variants:
         run_config = dataclasses.replace(config, critic=dataclasses.replace(config.critic, trainable_patterns=patterns))
         policy_tx = steps_lib.guard_nonfinite(adamw(1e-6))
         critic_tx = steps_lib.guard_nonfinite(train_only(adamw(5e-6), patterns))
@@ -168,17 +170,19 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=None, help="device dense peak for MFU (bf16: 989 on H100/H200)")
     parser.add_argument("--no-tunix", action="store_true", help="skip the Tunix PPO rows")
+    parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (big models)")
+    parser.add_argument("--frozen-only", action="store_true", help="skip the all-trainable critic rows (fewer compiles)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 repeats: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
         args.batch, args.seq, args.repeats = 2, 64, 2
 
-    model_config = PRESETS[args.preset](args.quick).replace(moe_dispatch=args.dispatch)
+    model_config = PRESETS[args.preset](args.quick).replace(moe_dispatch=args.dispatch, remat=args.remat)
     config = Config()
     k = config.critic.updates_per_policy_update
     batch = synthetic_batch(model_config, args.batch, args.seq)
     flops = update_flops(model_config, args.batch, args.seq, k)
-    calls = sao_calls(model_config, batch, config)
+    calls = sao_calls(model_config, batch, config, frozen_only=args.frozen_only)
     row_flops = {name: flops["ttur" if "ttur" in name else "value" if "value" in name else "policy"] for name in calls}
 
     if not args.no_tunix:

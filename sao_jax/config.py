@@ -137,6 +137,8 @@ class ModelConfig:
     # pretrained folder float32 compute with parameters stored in the compute dtype.
     dtype: str | None = None
     param_dtype: str | None = None
+    # Recompute each layer's activations in the backward pass (memory for about one extra forward).
+    remat: bool = False
 
     def problems(self) -> list[tuple[str, str]]:
         from sao_jax.models.config import DTYPES
@@ -176,10 +178,15 @@ class RolloutConfig:
 class SFTConfig:
     steps: int = 320  # the copy skill switches on between ~250 and ~400 steps: 320 starts RL near 70 %
     batch_size: int = 32
-    # Share of demonstrations that answer without the tool (`direct_demonstration` of the env class):
-    # a weaker demonstrator, so the starting policy sometimes skips the tool and RL must learn it pays.
-    direct_answer_fraction: float = 0.0
+    # Share of demonstrations from a weaker demonstrator (`weak_demonstration` of the env class; the
+    # calculator's calls an estimator): the starting policy then sometimes picks the worse tool, and RL
+    # must learn that the exact one pays.
+    weak_demonstration_fraction: float = 0.0
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
+
+    def problems(self) -> list[tuple[str, str]]:
+        f = self.weak_demonstration_fraction
+        return [] if 0.0 <= f <= 1.0 else [("weak_demonstration_fraction", f"must be in [0, 1] (got {f})")]
 
 
 @dataclasses.dataclass(frozen=True)

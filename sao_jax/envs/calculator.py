@@ -4,10 +4,14 @@ Prompt:   "Q: 17*3+4=?\\n"  (or in words, "Q: 17 times 3 plus 4=?\\n", with `wor
 Actions (one line each; the stop string is "\\n"):
   tool call  "<calc>EXPR</calc>"  EXPR: integers, + - * //, parentheses, spaces; at most 64 characters
              -> observation "<out>VALUE</out>\\n", or "<err>REASON</err>\\n" when EXPR is not allowed
+  estimate   "<est>EXPR</est>"    -> "<out>ESTIMATE</out>\\n": VALUE rounded to one significant digit
+             (half away from zero: 55 -> 60, -1234 -> -1000; |VALUE| < 10 is exact), so answering it
+             is right only when VALUE happens to be round
   answer     "A: INTEGER"         -> done; reward 1 if INTEGER equals the answer, else 0
   other      -> "<err>format</err>\\n"
 The episode also ends (reward 0) after `max_turns` actions. The gold demonstration is
-["<calc>EXPR</calc>\\n", "A: VALUE\\n"]: one tool call, one observation span, one answer.
+["<calc>EXPR</calc>\\n", "A: VALUE\\n"]: one tool call, one observation span, one answer. The weak
+demonstration is the same with the estimator: ["<est>EXPR</est>\\n", "A: ESTIMATE\\n"].
 
 Difficulty (a state-dependent baseline should matter: success falls with length):
   1: one operation on 1-2 digit numbers (+ - *)
@@ -60,6 +64,17 @@ def safe_eval(expression: str) -> int:
     return _evaluate(tree.body)
 
 
+def estimate(value: int) -> int:
+    """`value` rounded to one significant digit, halves away from zero (55 -> 60, -1250 -> -1000)."""
+    magnitude = abs(value)
+    if magnitude < 10:
+        return value
+    scale = 10 ** (len(str(magnitude)) - 1)
+    leading, rest = divmod(magnitude, scale)
+    rounded = (leading + (2 * rest >= scale)) * scale
+    return rounded if value >= 0 else -rounded
+
+
 def _evaluate(node: ast.AST) -> int:
     if isinstance(node, ast.Constant) and type(node.value) is int:
         value = node.value
@@ -100,7 +115,8 @@ def _in_words(expression: str) -> str:
 class CalculatorEnv(EpisodicEnv):
     """Arithmetic word problems solved with a calculator tool (grammar in the module docstring).
 
-    `StepResult.info` holds `turn`, and as they apply `error` (why an <err> was shown), `tool_output`,
+    `StepResult.info` holds `turn`, and as they apply `error` (why an <err> was shown), `tool` (the tag
+    called: the exact tool's or "est"), `tool_output`, `tools` (on the answer: every tag called, in order),
     `answer` (the integer answered, as text), `correct`, `out_of_turns`.
     """
 
@@ -108,6 +124,11 @@ class CalculatorEnv(EpisodicEnv):
 
     def __init__(self, *, max_turns: int = 4) -> None:
         super().__init__(max_turns=max_turns)
+        self._tools_called: list[str] = []
+
+    def _observe_prompt(self, prompt: Prompt) -> str:
+        self._tools_called = []
+        return prompt.text
 
     @staticmethod
     def generate_prompts(rng: np.random.Generator, n: int, difficulty: int | Sequence[int] | None = None, *,
@@ -128,25 +149,30 @@ class CalculatorEnv(EpisodicEnv):
         return [f"<{cls.tool_tag}>{prompt.metadata['expression']}</{cls.tool_tag}>{STOP}", f"A: {prompt.answer}{STOP}"]
 
     @staticmethod
-    def direct_demonstration(prompt: Prompt) -> list[str]:
-        """The answer without the tool: ["A: VALUE\\n"]. Copying this teaches guessing, which a small
-        model cannot do well beyond one-digit sums: a weaker demonstrator mixed into SFT leaves RL a
-        decision to learn (when to call the tool)."""
-        return [f"A: {prompt.answer}{STOP}"]
+    def weak_demonstration(prompt: Prompt) -> list[str]:
+        """A weaker demonstrator's actions: the estimator, then its (usually wrong) estimate. Mixed into
+        SFT they leave RL one decision to learn — which tool to call — while every demonstration still
+        teaches the same copying (expression into the call, tool output into the answer)."""
+        expression = prompt.metadata["expression"]
+        return [f"<est>{expression}</est>{STOP}", f"A: {estimate(safe_eval(expression))}{STOP}"]
 
     def _act(self, action: str) -> StepResult:
-        open_tag, close_tag = f"<{self.tool_tag}>", f"</{self.tool_tag}>"
-        if action.startswith(open_tag) and action.endswith(close_tag):
+        for tag, tool in ((self.tool_tag, self._run_tool), ("est", lambda e: str(estimate(safe_eval(e))))):
+            open_tag, close_tag = f"<{tag}>", f"</{tag}>"
+            if not (action.startswith(open_tag) and action.endswith(close_tag)):
+                continue
+            self._tools_called.append(tag)
             try:
-                output = self._run_tool(action[len(open_tag): -len(close_tag)])
+                output = tool(action[len(open_tag): -len(close_tag)])
             except ToolError as e:
-                return StepResult(error_observation(str(e)), 0.0, False, {"error": str(e)})
-            return StepResult(f"<out>{output}</out>{STOP}", 0.0, False, {"tool_output": output})
+                return StepResult(error_observation(str(e)), 0.0, False, {"error": str(e), "tool": tag})
+            return StepResult(f"<out>{output}</out>{STOP}", 0.0, False, {"tool_output": output, "tool": tag})
         answer = _ANSWER.fullmatch(action.strip())
         if answer is None:
             return StepResult(error_observation("format"), 0.0, False, {"error": "format"})
         correct = int(answer.group(1)) == int(self.prompt.answer)
-        return StepResult("", float(correct), True, {"answer": answer.group(1), "correct": correct})
+        info = {"answer": answer.group(1), "correct": correct, "tools": tuple(self._tools_called)}
+        return StepResult("", float(correct), True, info)
 
     def _run_tool(self, expression: str) -> str:
         return str(safe_eval(expression))

@@ -56,6 +56,9 @@ class ModelConfig:
     expert has ceil(`moe_capacity_factor` · tokens · k / num_experts) slots per call; assignments
     beyond that are dropped, so a token's output then depends on the other tokens of the call).
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
+    `remat`: recompute each layer's intermediates in the backward pass (`jax.checkpoint` per layer)
+    instead of keeping them, so training keeps only the layer inputs — the [batch, time, embed]
+    residual stream per layer — for about one extra forward of compute. No effect on the numbers.
     """
 
     model_type: str  # "qwen3_moe" | "glm4_moe": which Hugging Face family this maps to
@@ -96,6 +99,7 @@ class ModelConfig:
     moe_capacity_factor: float = 1.25  # slots per expert relative to an even split (capacity dispatch)
     dtype: str = "float32"
     param_dtype: str = "float32"
+    remat: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))

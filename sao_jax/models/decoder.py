@@ -60,6 +60,21 @@ class DecoderLayer(nnx.Module):
         return h + mlp_out, cache_kv, aux
 
 
+def _call_layer(layer: DecoderLayer, x, positions, token_mask, layout, cache_kv):
+    return layer(x, positions, token_mask, layout, cache_kv)
+
+
+def _call_layer_remat(layer: DecoderLayer, x, positions, token_mask, layout, cache_kv):
+    """`_call_layer` under `jax.checkpoint`: the backward pass recomputes the layer's intermediates.
+    (The layer goes in as split state: a layer only reads its variables, so nothing is written back.)"""
+    graph, state = nnx.split(layer)
+
+    def apply(state, *inputs):
+        return nnx.merge(graph, state)(*inputs)
+
+    return jax.checkpoint(apply)(state, x, positions, token_mask, layout, cache_kv)
+
+
 class Decoder(nnx.Module):
     """Token embedding, `layers`, final RMSNorm: the trunk that Policy and Critic share."""
 
@@ -83,9 +98,11 @@ class Decoder(nnx.Module):
         layout = AttentionLayout.build(token_mask, lengths, None if cache is None else cache.max_len)
         x = self.embed(input_ids, self.config.compute_dtype)
         new_keys, new_values, aux_losses = [], [], []
+        # Remat matters only where a backward pass follows; cached decoding never differentiates.
+        call = _call_layer_remat if self.config.remat and cache is None else _call_layer
         for i, layer in enumerate(self.layers):
             cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, cache_kv, aux = layer(x, positions, token_mask, layout, cache_kv)
+            x, cache_kv, aux = call(layer, x, positions, token_mask, layout, cache_kv)
             x = with_logical_constraint(x, ("batch", "length", "embed"))
             if cache_kv is not None:
                 new_keys.append(cache_kv[0])

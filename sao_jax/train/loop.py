@@ -67,9 +67,9 @@ class Run:
         env = self.env_cls(**self.env_kwargs)
         return env if self.chat_format is None else ChatEnv(env, self.chat_format)
 
-    def demonstration(self, prompt, *, direct: bool = False) -> list[str]:
-        """The gold actions for `prompt` (`direct`: the answer-only demonstration), in the chat format."""
-        actions = (self.env_cls.direct_demonstration if direct else self.env_cls.demonstration)(prompt)
+    def demonstration(self, prompt, *, weak: bool = False) -> list[str]:
+        """The gold actions for `prompt` (`weak`: the weaker demonstrator's), in the chat format."""
+        actions = (self.env_cls.weak_demonstration if weak else self.env_cls.demonstration)(prompt)
         return actions if self.chat_format is None else self.env_factory(prompt).chat_actions(actions)
 
     def agent_loop(self, *, greedy: bool) -> AgentLoop | ProcessRollouts:
@@ -103,7 +103,7 @@ def build_run(config: Config) -> Run:
     model = config.model
     overrides = {name: value for name, value in
                  (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype))
-                 if value is not None}  # fmt: skip
+                 if value is not None} | ({"remat": True} if model.remat else {})  # fmt: skip
     if model.pretrained:
         tokenizer = HFTokenizer.from_folder(model.pretrained)
         chat_format = ChatFormat.from_tokenizer(tokenizer)
@@ -160,6 +160,14 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
     }
 
 
+def tool_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Share of the answered trajectories that called each tool (environments that report `tools`)."""
+    called = [t.info.get("env_info", {}).get("tools") for t in trajectories]
+    called = [tools for tools in called if tools is not None]
+    names = sorted({name for tools in called for name in tools})
+    return {f"{prefix}/tool_share/{name}": sum(name in tools for tools in called) / len(called) for name in names}
+
+
 def style_metrics(trajectories: list[Trajectory], schedule) -> dict[str, Any]:
     """Online experiment (style_shift): the rewarded style and each style's share of the trajectories."""
     if schedule is None:
@@ -175,7 +183,7 @@ def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
     """Held-out success (outcome reward ≥ 1) with a fixed evaluation key: greedy decoding when
     `env.eval_greedy`, else the rollout sampling settings (temperature 1 by default)."""
     trajectories = eval_loop.rollout((weights, 0), run.eval_prompts, jax.random.key(0))
-    return rollout_metrics(trajectories, "eval")
+    return rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval")
 
 
 def usable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], int]:
@@ -198,9 +206,13 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
     opt_state = run.cluster.place(tx.init(params))
     rng = np.random.default_rng([run.config.seed, _SFT])
 
+    if cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
+        raise ValueError(f"sft.weak_demonstration_fraction: environment {run.config.env.name!r} has no weak "
+                         "demonstrator (set it to 0)")
+
     def demonstrate(prompt):
-        direct = bool(cfg.direct_answer_fraction) and rng.random() < cfg.direct_answer_fraction
-        return run.demonstration(prompt, direct=direct)
+        weak = bool(cfg.weak_demonstration_fraction) and rng.random() < cfg.weak_demonstration_fraction
+        return run.demonstration(prompt, weak=weak)
 
     with tqdm(range(cfg.steps), desc="sft", leave=False) as bar:
         for i in bar:
@@ -451,8 +463,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             warmup = step <= config.critic.warmup_steps
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
-            line = {**rollout_metrics(kept, "train"), **style_metrics(kept, schedule), **source_metrics,
-                    **jax.device_get(metrics), "train/critic_warmup": int(warmup),
+            line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train"), **style_metrics(kept, schedule),
+                    **source_metrics, **jax.device_get(metrics), "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))

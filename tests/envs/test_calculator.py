@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sao_jax.envs import ENVIRONMENTS, Environment, environment_class, make_env
-from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv, ToolError, safe_eval
+from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv, ToolError, estimate, safe_eval
 
 
 def prompts(n=60, seed=0, **kwargs):
@@ -64,6 +64,47 @@ def test_demonstration_fed_through_step_earns_reward_one():
         assert results[0].observation == f"<out>{p.answer}</out>\n" and not results[0].done
         assert results[-1].done and results[-1].reward == 1.0 and results[-1].observation == ""
         assert all(action.endswith("\n") and action.isascii() for action in demo)
+
+
+def _estimate_reference(value: int) -> int:
+    """One significant digit, halves away from zero, by decimal arithmetic (not the env's digit maths)."""
+    from decimal import ROUND_HALF_UP, Decimal
+
+    if abs(value) < 10:
+        return value
+    exponent = Decimal(value).adjusted()
+    return int(Decimal(value).scaleb(-exponent).quantize(Decimal(1), rounding=ROUND_HALF_UP).scaleb(exponent))
+
+
+@given(st.integers(-(10**12), 10**12))
+def test_estimate_rounds_to_one_significant_digit(value):
+    assert estimate(value) == _estimate_reference(value)
+
+
+def test_estimate_examples():
+    assert [estimate(v) for v in (7, -7, 10, 14, 15, 55, 95, -1250, -1500, 999)] == [
+        7, -7, 10, 10, 20, 60, 100, -1000, -2000, 1000]
+
+
+def test_weak_demonstration_calls_the_estimator_and_is_right_only_on_round_values():
+    outcomes = []
+    for p in prompts(n=200):
+        demo = CalculatorEnv.weak_demonstration(p)
+        results = play(CalculatorEnv(), p, demo)
+        value = int(p.answer)
+        assert demo[0] == f"<est>{p.metadata['expression']}</est>\n"
+        assert results[0].observation == f"<out>{_estimate_reference(value)}</out>\n"
+        assert results[0].info["tool"] == "est" and not results[0].done
+        assert results[-1].done and results[-1].reward == float(_estimate_reference(value) == value)
+        outcomes.append(results[-1].reward)
+    assert 0.0 < np.mean(outcomes) < 0.3  # the weak demonstrator is usually wrong, sometimes right
+
+
+def test_estimator_errors_like_the_calculator():
+    env = CalculatorEnv()
+    env.reset(prompts(n=1)[0])
+    result = env.step("<est>2**3</est>")
+    assert result.observation == "<err>not allowed</err>\n" and result.info["tool"] == "est"
 
 
 def test_wrong_answer_ends_with_reward_zero():

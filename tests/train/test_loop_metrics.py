@@ -1,0 +1,40 @@
+"""Small pieces of the training loop: per-tool shares and the weak-demonstrator setting."""
+
+import types
+
+import pytest
+
+from sao_jax.config import load_config
+from sao_jax.envs.calculator import CalculatorEnv
+from sao_jax.train import loop
+
+
+def _trajectory(env_info):
+    return types.SimpleNamespace(info={"env_info": env_info})
+
+
+def test_tool_share_counts_answered_trajectories_that_called_each_tool():
+    trajectories = [_trajectory({"tools": ("calc",)}), _trajectory({"tools": ("est",)}),
+                    _trajectory({"tools": ("est", "calc")}), _trajectory({"tools": ()}),
+                    _trajectory({"error": "format"})]  # fmt: skip  (the last never answered: not counted)
+    assert loop.tool_metrics(trajectories, "eval") == {"eval/tool_share/calc": 0.5, "eval/tool_share/est": 0.5}
+    assert loop.tool_metrics([_trajectory({})], "train") == {}
+
+
+def test_calculator_episodes_report_the_tools_they_called():
+    prompt = CalculatorEnv.generate_prompts(__import__("numpy").random.default_rng(0), 1)[0]
+    env = CalculatorEnv()
+    env.reset(prompt)
+    env.step("<est>1+1</est>\n")
+    env.step(f"<calc>{prompt.metadata['expression']}</calc>\n")
+    assert env.step(f"A: {prompt.answer}\n").info["tools"] == ("est", "calc")
+    env.reset(prompt)  # a new episode starts with none
+    assert env.step(f"A: {prompt.answer}\n").info["tools"] == ()
+
+
+def test_weak_demonstrations_need_an_environment_that_has_them(tmp_path):
+    config = load_config(overrides=["env.name=guessing", "sft.weak_demonstration_fraction=0.5", "sft.steps=1",
+                                    f"output_dir={tmp_path}"])  # fmt: skip
+    run = loop.build_run(config)
+    with pytest.raises(ValueError, match="sft.weak_demonstration_fraction: environment 'guessing' has no weak"):
+        loop.run_sft(run, writer=None)
