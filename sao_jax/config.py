@@ -151,7 +151,10 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
     name: str = "calculator"
-    difficulty: tuple[int, ...] = ()  # levels to draw uniformly from; empty = the env's full mix
+    # Levels to draw uniformly from (a level listed twice counts twice); empty = the env's full mix.
+    # The default task weights the calculator toward its longest problems: SFT on them switches the copy
+    # skill on in every seed measured (3 of 3 by 400 steps, vs 1 of 3 on the even 1-2-3 mix).
+    difficulty: tuple[int, ...] = (2, 3, 3)
     train_prompts: int = 4096  # size of the training prompt pool (per-prompt baselines key on it)
     eval_prompts: int = 128  # held-out prompts, drawn from a separate stream
     eval_greedy: bool = False  # held-out decoding: greedy (top-k 1), or the rollout sampling settings
@@ -176,12 +179,12 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 320  # the copy skill switches on between ~250 and ~400 steps: 320 starts RL near 70 %
+    steps: int = 400  # the copy skill switched on between steps ~225 and ~325 in the 3 seeds measured
     batch_size: int = 32
     # Share of demonstrations from a weaker demonstrator (`weak_demonstration` of the env class; the
     # calculator's calls an estimator): the starting policy then sometimes picks the worse tool, and RL
-    # must learn that the exact one pays.
-    weak_demonstration_fraction: float = 0.0
+    # must learn that the exact one pays. At 0.5 the warm start succeeds 30-47 % of the time (3 seeds).
+    weak_demonstration_fraction: float = 0.5
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
 
     def problems(self) -> list[tuple[str, str]]:

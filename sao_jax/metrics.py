@@ -119,6 +119,8 @@ PLOTS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
     ("critic.png", "Critic", (("critic/value_loss", "value loss"), ("critic/explained_variance", "explained variance"))),
     ("keep_rule.png", "Keep rule",
      (("policy/masked_fraction", "masked fraction"), ("policy/masked_entropy_mean", "masked-token entropy"))),
+    ("tools.png", "Tool choice (calculator: the estimator is the weak demonstrator's tool)",
+     (("train/tool_share/est", "estimator share, train"), ("eval/tool_share/est", "estimator share, held-out"))),
     ("staleness.png", "Asynchrony", (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
 )  # fmt: skip
 

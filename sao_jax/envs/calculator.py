@@ -130,6 +130,11 @@ class CalculatorEnv(EpisodicEnv):
         self._tools_called = []
         return prompt.text
 
+    @classmethod
+    def tool_names(cls) -> tuple[str, ...]:
+        """The tags a policy can call: the exact tool's and the estimator's."""
+        return cls.tool_tag, "est"
+
     @staticmethod
     def generate_prompts(rng: np.random.Generator, n: int, difficulty: int | Sequence[int] | None = None, *,
                          word_form_prob: float = 0.0) -> list[Prompt]:
@@ -157,7 +162,7 @@ class CalculatorEnv(EpisodicEnv):
         return [f"<est>{expression}</est>{STOP}", f"A: {estimate(safe_eval(expression))}{STOP}"]
 
     def _act(self, action: str) -> StepResult:
-        for tag, tool in ((self.tool_tag, self._run_tool), ("est", lambda e: str(estimate(safe_eval(e))))):
+        for tag, tool in zip(self.tool_names(), (self._run_tool, lambda e: str(estimate(safe_eval(e))))):
             open_tag, close_tag = f"<{tag}>", f"</{tag}>"
             if not (action.startswith(open_tag) and action.endswith(close_tag)):
                 continue

@@ -160,12 +160,15 @@ def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
     }
 
 
-def tool_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
-    """Share of the answered trajectories that called each tool (environments that report `tools`)."""
+def tool_metrics(trajectories: list[Trajectory], prefix: str, env_cls) -> dict[str, float]:
+    """Share of the answered trajectories that called each of the environment's tools (environments
+    with `tool_names`, whose answers report the `tools` called)."""
+    if not hasattr(env_cls, "tool_names"):
+        return {}
     called = [t.info.get("env_info", {}).get("tools") for t in trajectories]
     called = [tools for tools in called if tools is not None]
-    names = sorted({name for tools in called for name in tools})
-    return {f"{prefix}/tool_share/{name}": sum(name in tools for tools in called) / len(called) for name in names}
+    return {f"{prefix}/tool_share/{name}": sum(name in tools for tools in called) / max(len(called), 1)
+            for name in env_cls.tool_names()}  # fmt: skip
 
 
 def style_metrics(trajectories: list[Trajectory], schedule) -> dict[str, Any]:
@@ -183,7 +186,7 @@ def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
     """Held-out success (outcome reward ≥ 1) with a fixed evaluation key: greedy decoding when
     `env.eval_greedy`, else the rollout sampling settings (temperature 1 by default)."""
     trajectories = eval_loop.rollout((weights, 0), run.eval_prompts, jax.random.key(0))
-    return rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval")
+    return rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval", run.env_cls)
 
 
 def usable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], int]:
@@ -463,7 +466,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             warmup = step <= config.critic.warmup_steps
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
-            line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train"), **style_metrics(kept, schedule),
+            line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls), **style_metrics(kept, schedule),
                     **source_metrics, **jax.device_get(metrics), "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
             if step % cfg.eval_every == 0 or step == cfg.steps:

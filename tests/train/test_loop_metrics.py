@@ -5,7 +5,8 @@ import types
 import pytest
 
 from sao_jax.config import load_config
-from sao_jax.envs.calculator import CalculatorEnv
+from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
+from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.train import loop
 
 
@@ -17,8 +18,11 @@ def test_tool_share_counts_answered_trajectories_that_called_each_tool():
     trajectories = [_trajectory({"tools": ("calc",)}), _trajectory({"tools": ("est",)}),
                     _trajectory({"tools": ("est", "calc")}), _trajectory({"tools": ()}),
                     _trajectory({"error": "format"})]  # fmt: skip  (the last never answered: not counted)
-    assert loop.tool_metrics(trajectories, "eval") == {"eval/tool_share/calc": 0.5, "eval/tool_share/est": 0.5}
-    assert loop.tool_metrics([_trajectory({})], "train") == {}
+    assert loop.tool_metrics(trajectories, "eval", CalculatorEnv) == {"eval/tool_share/calc": 0.5,
+                                                                     "eval/tool_share/est": 0.5}  # fmt: skip
+    assert loop.tool_metrics([_trajectory({"tools": ("calc",)})], "train", PythonToolEnv) == {
+        "train/tool_share/py": 0.0, "train/tool_share/est": 0.0}  # every tool is reported, zeros too
+    assert loop.tool_metrics(trajectories, "train", GuessingEnv) == {}  # an environment without tools
 
 
 def test_calculator_episodes_report_the_tools_they_called():
