@@ -255,7 +255,7 @@ def matmul_params_per_token(params: nnx.State, trainable_patterns: Sequence[str]
 def kv_cache_bytes(config: models.ModelConfig, batch: int, max_len: int, mesh: Mapping[str, int]) -> dict[str, int]:
     """Bytes of `KVCache.init(config, batch, max_len)` (shapes from `jax.eval_shape`), total and per chip."""
     cache = jax.eval_shape(lambda: KVCache.init(config, batch, max_len))
-    axes = ("batch", "kv_heads", "length", "head_dim")
+    axes = ("batch", "length", "kv_heads", "head_dim")
     parts = [_split(a.shape, axes, a.dtype, mesh) for a in (*cache.keys, *cache.values)]
     return _add(_split(cache.lengths.shape, ("batch",), cache.lengths.dtype, mesh), *parts)
 

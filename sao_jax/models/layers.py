@@ -74,9 +74,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: fl
 class KVCache:
     """Keys and values of every layer for incremental decoding, and how many slots each sequence fills.
 
-    keys[l], values[l]: [batch, kv_heads, max_len, head_dim] (after q/k norm and RoPE). Heads come
-    before slots so that attention reads each (row, head) block of the cache as it is stored: with
-    slots first, XLA:CPU transposed the whole cache twice per layer for every decoded token.
+    keys[l], values[l]: [batch, max_len, kv_heads, head_dim] (after q/k norm and RoPE).
     lengths: int32 [batch], slots 0..lengths[b]-1 of sequence b hold its tokens so far, compacted:
     padding tokens are never written, so slot = position (the number of earlier real tokens).
 
@@ -95,13 +93,13 @@ class KVCache:
     def init(cls, config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
         """An empty cache (all lengths 0); `dtype` defaults to the config's compute dtype."""
         dtype = dtype or config.compute_dtype
-        shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
+        shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
         return cls(keys=zeros, values=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
 
     @property
     def max_len(self) -> int:
-        return self.keys[0].shape[2]
+        return self.keys[0].shape[1]
 
 
 @flax.struct.dataclass
@@ -142,16 +140,16 @@ class AttentionLayout:
 def dot_product_attention(q, k, v, allowed):
     """softmax(q·kᵀ / sqrt(head_dim) masked by `allowed`) · v with grouped-query heads.
 
-    q: [batch, time, heads, head_dim]; k, v: [batch, kv_heads, keys, head_dim] (the cache's layout);
-    query head h uses kv head h // (heads / kv_heads). Logits and softmax in float32.
+    q: [batch, time, heads, head_dim]; k, v: [batch, keys, kv_heads, head_dim]; query head h uses
+    kv head h // (heads / kv_heads). Logits and softmax in float32.
     """
     batch, time, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = k.shape[2]
     q = q.reshape(batch, time, kv_heads, heads // kv_heads, head_dim)
-    logits = jnp.einsum("btkgd,bksd->bkgts", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32) * head_dim**-0.5
     logits = jnp.where(allowed[:, None, None], logits, _MASKED_LOGIT)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bksd->btkgd", probs, v)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, time, heads, head_dim)
 
 
@@ -204,13 +202,11 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
         k = apply_rope(k, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
-        if cache_kv is None:
-            k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [batch, kv_heads, time, head_dim]
-        else:  # cache[b, :, slot] = chunk[b, t] for slot = write_slots[b, t]
+        if cache_kv is not None:
             batch_index = jnp.arange(x.shape[0])[:, None]
             cache_k, cache_v = cache_kv
-            k = cache_k.at[batch_index, :, layout.write_slots].set(k.astype(cache_k.dtype), mode="drop")
-            v = cache_v.at[batch_index, :, layout.write_slots].set(v.astype(cache_v.dtype), mode="drop")
+            k = cache_k.at[batch_index, layout.write_slots].set(k.astype(cache_k.dtype), mode="drop")
+            v = cache_v.at[batch_index, layout.write_slots].set(v.astype(cache_v.dtype), mode="drop")
             cache_kv = (k, v)
         out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
         return self.o_proj(out), cache_kv

@@ -255,8 +255,8 @@ class Sampler:
         full = state.cache
         budget = jnp.minimum(max_new_tokens, full.max_len - full.lengths)  # a row finishes when it is spent
         within_window = jnp.minimum(budget, window - full.lengths)  # a row pauses when it is spent
-        cache = KVCache(keys=tuple(k[:, :, :window] for k in full.keys),
-                        values=tuple(v[:, :, :window] for v in full.values), lengths=full.lengths)  # fmt: skip
+        cache = KVCache(keys=tuple(k[:, :window] for k in full.keys), values=tuple(v[:, :window] for v in full.values),
+                        lengths=full.lengths)  # fmt: skip
         out = DecodeChunk(
             tokens=jnp.zeros((batch, chunk), jnp.int32),
             logprobs=jnp.zeros((batch, chunk), jnp.float32),
