@@ -4,6 +4,7 @@ and without the frozen-attention critic (ALGORITHMS.md §7).
 
     python benchmarks/model.py            # d_model=512, 16×256 and 16×512, then cpu_moe (~20 min, 2 cores)
     python benchmarks/model.py --quick    # one tiny shape, 2 repeats: a smoke test (under a minute)
+    python benchmarks/model.py --moe-1b 16x1024   # the ~1B bf16 preset (remat) only: for an accelerator
 
 A step is `jax.value_and_grad` of the mean next-token cross-entropy (+ the router aux loss) of a
 Policy, jitted, float32 on the default JAX backend, one device. Timing is interleaved: each repeat
@@ -74,6 +75,16 @@ def bench_moe(quick: bool) -> ModelConfig:
     )  # fmt: skip
 
 
+def moe_1b() -> ModelConfig:
+    """~1.0B parameters, ~0.2B active: 16 layers of width 1024, 16 heads × 64 (4 KV heads), 32 experts
+    of width 512 with top-4 routing, vocab 32768; bfloat16 weights and compute."""
+    return ModelConfig(
+        model_type="qwen3_moe", vocab_size=32768, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
+        head_dim=64, intermediate_size=2816, num_experts=32, num_experts_per_token=4, moe_intermediate_size=512,
+        router_aux_loss_coef=0.001, max_position_embeddings=8192, dtype="bfloat16", param_dtype="bfloat16",
+    )  # fmt: skip
+
+
 def dense_twin(moe: ModelConfig) -> ModelConfig:
     """The same decoder with each MoE block replaced by a SwiGLU as wide as the active experts."""
     width = moe.num_experts_per_token * moe.moe_intermediate_size + moe.num_shared_experts * moe.moe_intermediate_size
@@ -104,10 +115,10 @@ def interleaved_median_seconds(calls: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
-def matmul_peak(n: int):
-    """(call, FLOPs): a square float32 `jnp.dot` of size n (2n³ FLOPs)."""
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+def matmul_peak(n: int, dtype=jnp.float32):
+    """(call, FLOPs): a square `jnp.dot` of size n (2n³ FLOPs)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
     dot = jax.jit(jnp.dot)
     return (lambda: dot(a, b)), 2 * n**3
 
@@ -163,13 +174,15 @@ def throughput_rows(models: dict[str, ModelConfig], shapes, repeats: int, refere
             flops[name] = step_flops(config, batch, seq)
             if config.num_experts and config.moe_dispatch == "capacity":
                 dropped[name] = f"{dropped_fraction(policy, input_ids):.1%}"
-        peak_call, peak_flops = matmul_peak(256 if batch * seq <= 256 else 2048)
+        dtype = next(iter(models.values())).compute_dtype
+        on_cpu = jax.default_backend() == "cpu"
+        peak_call, peak_flops = matmul_peak(256 if batch * seq <= 256 else 2048 if on_cpu else 8192, dtype)
         calls["jnp.dot"] = peak_call
         load_before = os.getloadavg()[0]
         seconds = interleaved_median_seconds(calls, repeats)
         load_after = os.getloadavg()[0]
         peak = peak_flops / seconds.pop("jnp.dot")
-        print(f"{batch}×{seq}: float32 jnp.dot peak {peak / 1e9:.1f} GFLOP/s; "
+        print(f"{batch}×{seq}: {jnp.dtype(dtype).name} jnp.dot peak {peak / 1e9:.1f} GFLOP/s; "
               f"1-min load {load_before:.1f} → {load_after:.1f}")  # fmt: skip
         for name, config in models.items():
             rate = flops[name] / seconds[name]
@@ -212,12 +225,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 5; quick 2)")
+    parser.add_argument("--moe-1b", metavar="BATCHxSEQ", help="only the ~1B bf16 preset (with remat) at this "
+                        "shape, e.g. 16x1024: the dispatches on an accelerator")  # fmt: skip
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); median of {repeats}, interleaved\n")
     header = ["model", "batch×seq", "N_active", "ms/step", "tokens/s", "model GFLOP/s", "of dot peak",
               "× dense", "dropped"]  # fmt: skip
+
+    if args.moe_1b:
+        big = moe_1b().replace(remat=True)
+        models = {name: big.replace(moe_dispatch=dispatch) for name, dispatch in DISPATCH_ROWS.items()
+                  if dispatch != "capacity"}  # the exact dispatches only: fewer compiles
+        models["dense, same active"] = dense_twin(big)
+        shape = tuple(int(n) for n in args.moe_1b.split("x"))
+        print(markdown_table(header, throughput_rows(models, [shape], repeats, reference="dense, same active")))
+        return
 
     moe = bench_moe(args.quick)
     models = {name: moe.replace(moe_dispatch=dispatch) for name, dispatch in DISPATCH_ROWS.items()}

@@ -45,23 +45,13 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import active_matmul_params, bench_moe, interleaved_median_seconds  # noqa: E402
+from model import active_matmul_params, bench_moe, interleaved_median_seconds, moe_1b  # noqa: E402
 
 from sao_jax.config import Config  # noqa: E402
 from sao_jax.models import Critic, ModelConfig, Policy, param_count  # noqa: E402
 from sao_jax.optim import ALL_TRAINABLE, adamw, train_only  # noqa: E402
 from sao_jax.rollout.trajectory import TrajectoryBatch  # noqa: E402
 from sao_jax.train import steps as steps_lib  # noqa: E402
-
-
-def moe_1b() -> ModelConfig:
-    """~1.0B parameters, ~0.2B active: 16 layers of width 1024, 16 heads × 64 (4 KV heads), 32 experts
-    of width 512 with top-4 routing, vocab 32768; bfloat16 weights and compute."""
-    return ModelConfig(
-        model_type="qwen3_moe", vocab_size=32768, hidden_size=1024, num_layers=16, num_heads=16, num_kv_heads=4,
-        head_dim=64, intermediate_size=2816, num_experts=32, num_experts_per_token=4, moe_intermediate_size=512,
-        router_aux_loss_coef=0.001, max_position_embeddings=8192, dtype="bfloat16", param_dtype="bfloat16",
-    )  # fmt: skip
 
 
 PRESETS = {"d512": lambda quick: bench_moe(quick), "moe_1b": lambda quick: moe_1b()}
