@@ -186,6 +186,9 @@ class SFTConfig:
     # must learn that the exact one pays. At 0.5 the warm start succeeds 30-47 % of the time (3 seeds).
     weak_demonstration_fraction: float = 0.5
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
+    # A folder of finished warm starts, keyed by everything SFT depends on (seed, model, env, sft,
+    # rollout, mesh): runs that share one (ablation rows of a seed) train it once. None: no cache.
+    cache_dir: str | None = None
 
     def problems(self) -> list[tuple[str, str]]:
         f = self.weak_demonstration_fraction

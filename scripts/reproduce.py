@@ -231,14 +231,16 @@ def run_one(path: Path, output_dir: Path, seed: int, overrides: Sequence[str], *
     """Run (or skip, or resume) one config; returns "skipped", "resumed" or "ran"."""
     from sao_jax.config import load_config, to_dict
 
-    placement = [f"seed={seed}", f"output_dir={output_dir}"]
+    # Runs of one seed share their warm start (`sft.cache_dir`): it is trained once, in OUT/sft_cache.
+    cache = output_dir.parents[2] / "sft_cache"
+    placement = [f"seed={seed}", f"output_dir={output_dir}", f"sft.cache_dir={cache}"]
     config = load_config(path, [*overrides, *placement])
     if calibrate is not None:
         config = load_config(path, [*overrides, *calibrate(config, output_dir), *placement])
     saved = output_dir / "config.yaml"  # `train` writes it first: the folder holds a (maybe partial) run
     if saved.exists():
         changed = [k for k in _differences(yaml.safe_load(saved.read_text()), _plain(to_dict(config)))
-                   if k != "output_dir"]  # the same folder, however --out was spelled
+                   if k not in ("output_dir", "sft.cache_dir")]  # the same folder, however --out was spelled
         if changed:
             raise RuntimeError(f"{output_dir} holds a run of a different config (differs in {', '.join(changed)}); "
                                "remove the folder or pick another --out")  # fmt: skip

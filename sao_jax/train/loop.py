@@ -11,9 +11,11 @@ writes the same metrics as the uninterrupted run.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -195,12 +197,46 @@ def usable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], int]:
     return kept, len(trajectories) - len(kept)
 
 
+def sft_cache_key(config: Config) -> str:
+    """Hash of every setting the warm start depends on (not `sft.cache_dir` itself)."""
+    parts = {name: to_dict(getattr(config, name)) for name in ("model", "env", "sft", "rollout", "mesh")}
+    parts["sft"].pop("cache_dir")
+    parts["seed"] = config.seed
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def run_sft(run: Run, writer: MetricsWriter) -> Any:
-    """Fit the policy to demonstrations; returns the policy's trained params."""
+    """Fit the policy to demonstrations; returns the policy's trained params. With `sft.cache_dir`, a
+    warm start already trained under the same settings is loaded instead (its metric lines replayed),
+    and a new one is stored there."""
     cfg = run.config.sft
     graph, params, buffers = steps_lib.split_model(run.policy)
     if cfg.steps == 0:
         return params
+    cached = Path(cfg.cache_dir) / f"sft_{sft_cache_key(run.config)}.npz" if cfg.cache_dir else None
+    if cached is not None and cached.exists():
+        with np.load(cached, allow_pickle=False) as stored:
+            leaves, treedef = jax.tree.flatten(params)
+            params = jax.tree.unflatten(treedef, [jnp.asarray(stored[f"leaf_{i}"], leaf.dtype)
+                                                  for i, leaf in enumerate(leaves)])  # fmt: skip
+            for line in json.loads(str(stored["metrics"])):
+                writer.write(0, line)
+        log.info("warm start loaded from %s", cached)
+        return run.cluster.place(params)
+    lines: list[dict[str, Any]] = []
+    params = _train_sft(run, graph, params, buffers, writer, lines)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(".partial.npz")  # a crash mid-write leaves no half-written cache entry
+        leaves = {f"leaf_{i}": np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(params))}
+        np.savez(partial, metrics=json.dumps(lines), **leaves)
+        os.replace(partial, cached)
+    return params
+
+
+def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list) -> Any:
+    """The SFT steps themselves; each metric line written is also appended to `lines`."""
+    cfg = run.config.sft
     tx = adamw(learning_rate_schedule(cfg.optimizer.lr, warmup_steps=cfg.optimizer.warmup_steps,
                                       total_steps=max(cfg.steps, cfg.optimizer.warmup_steps + 1)),
                max_grad_norm=cfg.optimizer.max_grad_norm)  # fmt: skip
@@ -225,7 +261,8 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
             batch = collate(demos, batch_size=cfg.batch_size, buckets=run.buckets)
             params, opt_state, metrics = update(params, opt_state, batch)
             if i % 25 == 0 or i == cfg.steps - 1:
-                line = writer.write(0, {"stage": "sft", "sft/step": i, **jax.device_get(metrics)})
+                lines.append({"stage": "sft", "sft/step": i, **jax.tree.map(float, jax.device_get(metrics))})
+                line = writer.write(0, lines[-1])
                 bar.set_postfix(nll=f"{line['sft/nll']:.3f}", acc=f"{line['sft/token_accuracy']:.3f}")
     return params
 

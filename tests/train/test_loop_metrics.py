@@ -2,11 +2,14 @@
 
 import types
 
+import jax
+import numpy as np
 import pytest
 
 from sao_jax.config import load_config
 from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
 from sao_jax.envs.guessing import GuessingEnv
+from sao_jax.metrics import MetricsWriter, read_metrics
 from sao_jax.train import loop
 
 
@@ -26,7 +29,7 @@ def test_tool_share_counts_answered_trajectories_that_called_each_tool():
 
 
 def test_calculator_episodes_report_the_tools_they_called():
-    prompt = CalculatorEnv.generate_prompts(__import__("numpy").random.default_rng(0), 1)[0]
+    prompt = CalculatorEnv.generate_prompts(np.random.default_rng(0), 1)[0]
     env = CalculatorEnv()
     env.reset(prompt)
     env.step("<est>1+1</est>\n")
@@ -42,3 +45,30 @@ def test_weak_demonstrations_need_an_environment_that_has_them(tmp_path):
     run = loop.build_run(config)
     with pytest.raises(ValueError, match="sft.weak_demonstration_fraction: environment 'guessing' has no weak"):
         loop.run_sft(run, writer=None)
+
+
+def _sft_lines(path):
+    return [line for line in read_metrics(path / "metrics.jsonl") if line.get("stage") == "sft"]
+
+
+def test_sft_cache_returns_the_same_warm_start_and_metric_lines(tmp_path):
+    def warm_start(name, *extra):
+        config = load_config(overrides=["sft.steps=3", "sft.batch_size=4", "env.train_prompts=16",
+                                        f"output_dir={tmp_path / name}", *extra])  # fmt: skip
+        with MetricsWriter(tmp_path / name, tensorboard=False) as writer:
+            params = loop.run_sft(loop.build_run(config), writer)
+        return jax.tree.map(np.asarray, params), config
+
+    plain, _ = warm_start("plain")
+    stored, config = warm_start("stored", f"sft.cache_dir={tmp_path / 'cache'}")
+    (entry,) = (tmp_path / "cache").iterdir()
+    assert entry.name == f"sft_{loop.sft_cache_key(config)}.npz"
+    loaded, _ = warm_start("loaded", f"sft.cache_dir={tmp_path / 'cache'}")
+    for a, b, c in zip(jax.tree.leaves(plain), jax.tree.leaves(stored), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    assert _sft_lines(tmp_path / "loaded") == _sft_lines(tmp_path / "plain") != []
+    # Another seed or other SFT settings are other warm starts; where the cache lives is not a setting.
+    other = load_config(overrides=["seed=1", f"sft.cache_dir={tmp_path}"])
+    assert loop.sft_cache_key(other) != loop.sft_cache_key(load_config(overrides=[f"sft.cache_dir={tmp_path}"]))
+    assert loop.sft_cache_key(load_config(overrides=["sft.cache_dir=/a"])) == loop.sft_cache_key(load_config())
