@@ -162,7 +162,7 @@ class CalculatorEnv(EpisodicEnv):
         return [f"<est>{expression}</est>{STOP}", f"A: {estimate(safe_eval(expression))}{STOP}"]
 
     def _act(self, action: str) -> StepResult:
-        for tag, tool in zip(self.tool_names(), (self._run_tool, lambda e: str(estimate(safe_eval(e))))):
+        for tag, tool in zip(self.tool_names(), (self._run_tool, self._run_estimator)):
             open_tag, close_tag = f"<{tag}>", f"</{tag}>"
             if not (action.startswith(open_tag) and action.endswith(close_tag)):
                 continue
@@ -181,6 +181,10 @@ class CalculatorEnv(EpisodicEnv):
 
     def _run_tool(self, expression: str) -> str:
         return str(safe_eval(expression))
+
+    @staticmethod
+    def _run_estimator(expression: str) -> str:
+        return str(estimate(safe_eval(expression)))
 
 
 class PythonToolEnv(CalculatorEnv):

@@ -60,12 +60,8 @@ class DecoderLayer(nnx.Module):
         return h + mlp_out, cache_kv, aux
 
 
-def _call_layer(layer: DecoderLayer, x, positions, token_mask, layout, cache_kv):
-    return layer(x, positions, token_mask, layout, cache_kv)
-
-
 def _call_layer_remat(layer: DecoderLayer, x, positions, token_mask, layout, cache_kv):
-    """`_call_layer` under `jax.checkpoint`: the backward pass recomputes the layer's intermediates.
+    """`layer(...)` under `jax.checkpoint`: the backward pass recomputes the layer's intermediates.
     (The layer goes in as split state: a layer only reads its variables, so nothing is written back.)"""
     graph, state = nnx.split(layer)
 
@@ -99,7 +95,7 @@ class Decoder(nnx.Module):
         x = self.embed(input_ids, self.config.compute_dtype)
         new_keys, new_values, aux_losses = [], [], []
         # Remat matters only where a backward pass follows; cached decoding never differentiates.
-        call = _call_layer_remat if self.config.remat and cache is None else _call_layer
+        call = _call_layer_remat if self.config.remat and cache is None else DecoderLayer.__call__
         for i, layer in enumerate(self.layers):
             cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
             x, cache_kv, aux = call(layer, x, positions, token_mask, layout, cache_kv)
