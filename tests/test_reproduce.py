@@ -190,21 +190,27 @@ def test_report_table_from_synthetic_metrics(tmp_path):
     assert set(by_row) == set(finals)
     assert by_row["token_level"][2:6] == ["3", "90.0 ± 2.5", "90.0 ± 2.5", "73.3 ± 0.8"]
     # max of step_average: [0.70, 0.70, 0.71]: 70.33, s = 0.0057735 -> ± 4.303 · 0.0057735 / √3 = 0.0143
-    assert by_row["step_average"][2:7] == ["3", "70.0 ± 2.5", "70.3 ± 1.4", "66.7 ± 0.8", "-20.0"]
+    # Δ is paired by seed: 0.69 − 0.89, 0.70 − 0.90, 0.71 − 0.91 -> −20.0 ± 0.0
+    assert by_row["step_average"][2:7] == ["3", "70.0 ± 2.5", "70.3 ± 1.4", "66.7 ± 0.8", "-20.0 ± 0.0"]
     assert by_row["step_average"][7:] == ["85.8", "agrees"]  # paper 85.8 < 89.8 and ours 70 < 90
-    assert by_row["step_last_token"][6:] == ["+6.0", "87.3", "disagrees"]
+    assert by_row["step_last_token"][6:] == ["+6.0 ± 0.0", "87.3", "disagrees"]
     assert (tmp_path / "table5" / "success.png").stat().st_size > 0
 
 
-def test_direction_says_when_the_intervals_overlap_or_there_is_one_seed(tmp_path):
+def test_direction_pairs_seeds_and_says_when_the_difference_interval_holds_zero(tmp_path):
     comparison = reproduce.SUITES["table4"].comparisons[0]
     rows = {r.name: r for r in comparison.rows}
-    finals = {"sao": [0.8, 0.9], "no_faster_value": [0.85, 0.95], "grpo_dis": [0.5]}
-    assert reproduce.direction(comparison, rows["no_faster_value"], finals) == "disagrees (CIs overlap)"
+    finals = {"sao": {0: 0.8, 1: 0.9, 2: 0.7}, "no_faster_value": {0: 0.9, 1: 0.85}, "grpo_dis": {0: 0.5}}
+    # no_faster_value − sao over seeds 0, 1: [+0.10, −0.05]: mean +0.025, half 12.706 · 0.106 / √2 = 0.95
+    assert reproduce.direction(comparison, rows["no_faster_value"], finals) == "disagrees (Δ CI includes 0)"
     assert reproduce.direction(comparison, rows["grpo_dis"], finals) == "agrees (1 seed)"  # SWE-Bench column
     assert reproduce.direction(comparison, rows["running_mean"], finals) == "—"  # not run
-    finals["vanilla_vapo"] = [0.9, 0.8]
-    assert reproduce.direction(comparison, rows["vanilla_vapo"], finals) == "tie (CIs overlap)"
+    # Seeds differ a lot, the paired difference does not: a consistent −0.05 is a clear direction.
+    finals["running_mean"] = {0: 0.75, 1: 0.85, 2: 0.65}
+    assert reproduce.direction(comparison, rows["running_mean"], finals) == "agrees"
+    finals["vanilla_vapo"] = {0: 0.9, 1: 0.8}
+    assert reproduce.direction(comparison, rows["vanilla_vapo"], finals) == "tie (Δ CI includes 0)"
+    assert reproduce.paired_difference({0: 0.5}, {1: 0.4})[2] == 0  # no seed in common
 
 
 def style_lines(targets, shares):
