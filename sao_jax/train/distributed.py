@@ -15,9 +15,11 @@ Every process runs the same program on the same config; what differs is which de
                   process p > 0 writes its own metric lines to OUTDIR/process_<p>/metrics.jsonl (to
                   check the hosts agree); Orbax checkpoints are written by all processes together
 
-With one process every placement is the identity: the run is the single-device run it always was
-(`config.mesh` applies to multi-process runs only). Only `train.mode: sync` runs multi-process: the
-threaded async engine does not issue the same computations in the same order on every process.
+One process with several devices (a multi-chip host) takes the same path with P = 1 (the state on
+the mesh, rollouts on the first device) when `config.mesh` gives every axis size explicitly (no -1:
+e.g. `mesh.fsdp=8`) and they cover more than one device, in `train.mode: sync`. Otherwise one process
+trains on its first device and every placement is the identity. Only `train.mode: sync` runs multi-process:
+the threaded async engine does not issue the same computations in the same order on every process.
 """
 
 from __future__ import annotations
@@ -70,8 +72,14 @@ class Cluster:
 
     @classmethod
     def for_config(cls, config: Config) -> Cluster:
-        """The global mesh of `config.mesh` when there are several processes, else no mesh."""
-        if jax.process_count() == 1:
+        """The global mesh of `config.mesh` when there are several processes, or in a sync run of one
+        process whose mesh sizes are all explicit and span several devices; else no mesh."""
+        sizes = config.mesh.shape().values()
+        explicit = -1 not in sizes and np.prod(list(sizes)) > 1
+        if jax.process_count() == 1 and not (explicit and config.train.mode == "sync"):
+            if jax.device_count() > 1:
+                log.info("one process, %d devices: training on the first (a sync run uses them all when the "
+                         "mesh sizes are given, e.g. mesh.fsdp=%d)", jax.device_count(), jax.device_count())
             return cls()
         if config.train.mode != "sync":
             raise ValueError(f"train.mode={config.train.mode!r} cannot run as {jax.process_count()} processes: "
@@ -150,7 +158,7 @@ class Cluster:
 
     def all_gather(self, items: Sequence[Any]) -> list[Any]:
         """Every process's `items` (picklable), concatenated in process order, on every process."""
-        if self.mesh is None:
+        if self.mesh is None or jax.process_count() == 1:
             return list(items)
         data = np.frombuffer(pickle.dumps(list(items)), np.uint8)
         lengths = multihost_utils.process_allgather(np.array(len(data), np.int64))

@@ -1,5 +1,5 @@
 """`sao-train` as 2 local processes (`jax.distributed` on loopback, gloo CPU collectives, one CPU device
-each) against the same run as 1 process with the same global batch."""
+each), and as 1 process with 2 CPU devices, against the same run on 1 device with the same global batch."""
 
 import json
 import os
@@ -32,8 +32,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(output_dir: Path, cache_dir: Path, *processes: str) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu",
+def start(output_dir: Path, cache_dir: Path, *processes: str, devices: int = 1) -> subprocess.Popen:
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
     command = [sys.executable, "-m", "sao_jax.cli", *processes, f"output_dir={output_dir}", *TINY_RUN]
@@ -61,7 +61,8 @@ def metric_lines(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """(2-process output dir, 1-process output dir, outputs of processes 0 and 1)."""
+    """(2-process output dir, 1-process output dir, outputs of processes 0 and 1, 1 process on 2 devices:
+    (output dir, output))."""
     tmp = tmp_path_factory.mktemp("multiprocess")
     cache = tmp / "jax_cache"
     # The reference first: the two processes then find its sampler programs in the compilation cache.
@@ -69,12 +70,13 @@ def runs(tmp_path_factory):
     port = free_port()
     outputs = finish([start(tmp / "two", cache, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                             "--process-id", str(i)) for i in range(2)])  # fmt: skip
-    return tmp / "two", tmp / "one", outputs
+    (two_devices,) = finish([start(tmp / "two_devices", cache, "mesh.fsdp=2", devices=2)])
+    return tmp / "two", tmp / "one", outputs, (tmp / "two_devices", two_devices)
 
 
 @pytest.mark.slow
 def test_both_processes_log_identical_metrics_and_only_process_0_writes_the_run_files(runs):
-    two, _, outputs = runs
+    two, _, outputs, _ = runs
     for i, output in enumerate(outputs):
         assert f"process {i} of 2: train state on the mesh data=1 fsdp=2 expert=1 tensor=1" in output
     lines = metric_lines(two / "metrics.jsonl")
@@ -87,10 +89,8 @@ def test_both_processes_log_identical_metrics_and_only_process_0_writes_the_run_
     assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1, 2]
 
 
-@pytest.mark.slow
-def test_two_processes_match_one_process_with_the_same_global_batch(runs):
-    two, one, _ = runs
-    got, expected = metric_lines(two / "metrics.jsonl"), metric_lines(one / "metrics.jsonl")
+def assert_matches_one_device(got_dir: Path, one: Path) -> None:
+    got, expected = metric_lines(got_dir / "metrics.jsonl"), metric_lines(one / "metrics.jsonl")
     assert [sorted(line) for line in got] == [sorted(line) for line in expected]
     inexact = set()
     for got_line, expected_line in zip(got, expected):
@@ -104,6 +104,19 @@ def test_two_processes_match_one_process_with_the_same_global_batch(runs):
                                        err_msg=f"step {expected_line['step']} {key}")  # fmt: skip
     # Rollouts sample the same tokens (each prompt's key is its global index): what they measure is exact.
     assert not {key for key in inexact if key.startswith(("train/", "eval/"))}, inexact
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_with_the_same_global_batch(runs):
+    two, one, _, _ = runs
+    assert_matches_one_device(two, one)
+
+
+@pytest.mark.slow
+def test_one_process_with_two_devices_puts_the_state_on_a_mesh_and_matches_one_device(runs):
+    _, one, _, (two_devices, output) = runs
+    assert "process 0 of 1: train state on the mesh data=1 fsdp=2 expert=1 tensor=1" in output
+    assert_matches_one_device(two_devices, one)
 
 
 def test_process_blocks_cover_the_prompts_in_order():
