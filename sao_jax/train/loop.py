@@ -237,6 +237,9 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
 def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list) -> Any:
     """The SFT steps themselves; each metric line written is also appended to `lines`."""
     cfg = run.config.sft
+    if cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
+        raise ValueError(f"sft.weak_demonstration_fraction: environment {run.config.env.name!r} has no weak "
+                         "demonstrator (set it to 0)")
     tx = adamw(learning_rate_schedule(cfg.optimizer.lr, warmup_steps=cfg.optimizer.warmup_steps,
                                       total_steps=max(cfg.steps, cfg.optimizer.warmup_steps + 1)),
                max_grad_norm=cfg.optimizer.max_grad_norm)  # fmt: skip
@@ -244,10 +247,6 @@ def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: l
     params = run.cluster.place(params)
     opt_state = run.cluster.place(tx.init(params))
     rng = np.random.default_rng([run.config.seed, _SFT])
-
-    if cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
-        raise ValueError(f"sft.weak_demonstration_fraction: environment {run.config.env.name!r} has no weak "
-                         "demonstrator (set it to 0)")
 
     def demonstrate(prompt):
         weak = bool(cfg.weak_demonstration_fraction) and rng.random() < cfg.weak_demonstration_fraction
@@ -503,8 +502,9 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             warmup = step <= config.critic.warmup_steps
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
-            line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls), **style_metrics(kept, schedule),
-                    **source_metrics, **jax.device_get(metrics), "train/critic_warmup": int(warmup),
+            line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls),
+                    **style_metrics(kept, schedule), **source_metrics, **jax.device_get(metrics),
+                    "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
             if step % cfg.eval_every == 0 or step == cfg.steps:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))
