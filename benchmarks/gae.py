@@ -16,7 +16,8 @@ its own afterwards (3 calls), so that the second it holds the CPU does not sit b
 The load average is printed with the table.
 
 What each column computes:
-  ours scan / ours associative — `skip_observation_gae` with that method: advantages and returns.
+  ours kernel / ours scan / ours associative — `skip_observation_gae` with that method:
+               advantages and returns ("kernel": the C++ CPU kernel of sao_jax/native).
   ours+whiten — ours with the method "auto" picks, then `masked_whiten` over the action tokens.
   tunix      — `tunix.rl.ppo.ppo_helpers.compute_gae_advantages` with `completion_mask` = action
                mask: a reverse scan carrying state across masked tokens (dropping their rewards),
@@ -113,7 +114,7 @@ def contenders():
     "numpy" takes the numpy arrays (rewards, values, action_mask)."""
     ours = {method: jax.jit(functools.partial(skip_observation_gae, gamma=GAMMA, lam=LAM,
                                               method=method))
-            for method in ("scan", "associative")}
+            for method in ("kernel", "scan", "associative")}
 
     @jax.jit
     def ours_whitened(rewards, values, action_mask):
@@ -122,6 +123,7 @@ def contenders():
         return masked_whiten(advantages, action_mask), returns
 
     table = {
+        "ours kernel": (ours["kernel"], "rvm"),
         "ours scan": (ours["scan"], "rvm"),
         "ours associative": (ours["associative"], "rvm"),
         "ours+whiten": (ours_whitened, "rvm"),
@@ -155,6 +157,7 @@ def ratio_columns(names, ours: str):
     if "rlax" in names:
         columns.append(("rlax ÷ ours", "rlax", ours))
     columns += [("numpy ÷ ours", "numpy", ours),
+                ("scan ÷ kernel", "ours scan", "ours kernel"),
                 ("associative ÷ scan", "ours associative", "ours scan")]
     return columns
 
@@ -178,7 +181,7 @@ def main():
 
     table = contenders()
     names = list(table)
-    auto_method = _resolve_method("auto", "benchmarks/gae.py")
+    auto_method = _resolve_method("auto", "benchmarks/gae.py", kernel=True)
     ours = f"ours {auto_method}"
     print(f"backend={jax.default_backend()} devices={len(jax.devices())} repeats={repeats} "
           f"auto={auto_method}{'' if tunix_ppo else ' (tunix not installed)'}"
@@ -193,7 +196,7 @@ def main():
             "f": jnp.asarray(mask_np, jnp.float32),
         }
         numpy_advantages, _ = numpy_skip_observation_gae(rewards_np, values_np, mask_np, GAMMA, LAM)
-        for method in ("ours scan", "ours associative"):
+        for method in ("ours kernel", "ours scan", "ours associative"):
             advantages, _ = table[method][0](inputs["r"], inputs["v"], inputs["m"])
             np.testing.assert_allclose(advantages, numpy_advantages, rtol=1e-4, atol=1e-3)
 

@@ -14,9 +14,11 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from sao_jax import native
+
 Array = chex.Array
 
-GAE_METHODS = ("auto", "scan", "associative")
+GAE_METHODS = ("auto", "scan", "associative", "kernel")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,13 +55,18 @@ def _shift_right(x: Array) -> Array:
     return jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
 
 
-def _resolve_method(method: str, caller: str) -> str:
-    """Resolves "auto" to "scan" on CPU, "associative" on accelerators (`skip_observation_gae`)."""
-    if method not in GAE_METHODS:
-        raise ValueError(f"{caller}: method must be one of {GAE_METHODS}, got {method!r}")
+def _resolve_method(method: str, caller: str, kernel: bool = False) -> str:
+    """Resolves "auto" (`skip_observation_gae` says how); `kernel`: whether the caller has one."""
+    methods = GAE_METHODS if kernel else tuple(m for m in GAE_METHODS if m != "kernel")
+    if method not in methods:
+        raise ValueError(f"{caller}: method must be one of {methods}, got {method!r}")
+    if method == "kernel" and not native.gae_kernel_available():
+        raise RuntimeError(f"{caller}: the CPU GAE kernel could not be built (see the log)")
     if method != "auto":
         return method
-    return "scan" if jax.default_backend() == "cpu" else "associative"
+    if jax.default_backend() != "cpu":
+        return "associative"
+    return "kernel" if kernel and native.gae_kernel_available() else "scan"
 
 
 def _reverse_linear_recurrence(offset: Array, decay: Array, decays: Array, method: str) -> Array:
@@ -150,15 +157,18 @@ def skip_observation_gae(
       rewards, values: float `[batch, time]`.
       action_mask: bool or 0/1 `[batch, time]`, true on tokens the policy sampled.
       gamma, lam: scalars or `[batch]` (e.g. from `length_adaptive_lambda`).
-      method: "scan" — a reverse `lax.scan` over time with the batch vectorised inside each step
-        (depth T, least work); "associative" — `lax.associative_scan` of affine maps (depth
-        O(log T), about twice the work and many more passes over memory); "auto" — "scan" on CPU,
+      method: "kernel" — CPU only: one XLA FFI call into `sao_jax/native/gae_cpu.cc`, a single
+        reverse pass over each row in place (built with the system C++ compiler on first use;
+        gradients by the "scan" path's VJP); "scan" — a reverse `lax.scan` over time with the
+        batch vectorised inside each step (depth T, least work of the XLA paths); "associative" —
+        `lax.associative_scan` of affine maps (depth O(log T), about twice the work and many more
+        passes over memory); "auto" — "kernel" on CPU ("scan" if no compiler is found),
         "associative" elsewhere. On the shared 2-core CPU (jax 0.10.2, f32, ~30 % observation
-        tokens, load 3.4–3.6, medians of 9 interleaved calls of `benchmarks/gae.py`) the scan won
-        at every benchmark shape: 128×1024: 0.80 vs 1.90 ms, 16×32768: 3.0 vs 6.3 ms, 1×131072:
-        0.79 vs 1.82 ms, 8×131072: 3.6 vs 12.2 ms. On GPU/TPU every scan iteration is a device
-        loop step, so for long sequences the O(log T) depth should win there (an expectation,
-        not measured here).
+        tokens, load 3.4–3.6, medians of 9 interleaved calls of `benchmarks/gae.py`) the scan beat
+        the associative scan at every benchmark shape: 128×1024: 0.80 vs 1.90 ms, 16×32768: 3.0
+        vs 6.3 ms, 1×131072: 0.79 vs 1.82 ms, 8×131072: 3.6 vs 12.2 ms; benchmarks/RESULTS.md
+        has the kernel against both. On GPU/TPU every scan iteration is a device loop step, so for
+        long sequences the O(log T) depth should win there (an expectation, not measured here).
 
     Returns:
       `(advantages, returns)`, float `[batch, time]`, holding `A_j` and `G_j` at `p_j` and zero on
@@ -166,14 +176,20 @@ def skip_observation_gae(
     """
     _check_token_arrays(rewards, values, action_mask)
     batch = rewards.shape[0]
-    method = _resolve_method(method, "skip_observation_gae")
+    method = _resolve_method(method, "skip_observation_gae", kernel=True)
     dtype = _compute_dtype(rewards, values)
     rewards = rewards.astype(dtype)
     values = values.astype(dtype)
     is_action = action_mask.astype(bool)
     gamma = _per_sequence(gamma, batch, dtype, "gamma")
     lam = _per_sequence(lam, batch, dtype, "lam")
+    if method == "kernel":
+        return _skip_observation_gae_kernel(rewards, values, is_action, gamma, lam)
+    return _skip_observation_gae_xla(rewards, values, is_action, gamma, lam, method)
 
+
+def _skip_observation_gae_xla(rewards, values, is_action, gamma, lam, method):
+    """`skip_observation_gae` in XLA ops ("scan" or "associative"), inputs already checked."""
     # One recurrence over all tokens. z_t is what the action before t bootstraps from:
     # z_{p_j + 1} = Σ_{p_j < t < p_{j+1}} r_t + γ·V[p_{j+1}] + γ·λ·A_{j+1}, so A_j = r − V + z there.
     # A non-action token adds its reward (z_t = r_t + z_{t+1}); an action token p starts afresh:
@@ -184,6 +200,34 @@ def skip_observation_gae(
     advantages = jnp.where(is_action, rewards - values + bootstrap, 0)
     returns = jnp.where(is_action, advantages + values, 0)
     return advantages, returns
+
+
+@jax.custom_vjp
+def _skip_observation_gae_kernel(rewards, values, is_action, gamma, lam):
+    """`skip_observation_gae` as one call of the CPU kernel (the same recurrence, in C++)."""
+    result = jax.ShapeDtypeStruct(rewards.shape, rewards.dtype)
+    # broadcast_all: under vmap every operand gains the same leading axes, which the kernel reads
+    # as more rows (γ and λ stay one value per row).
+    call = jax.ffi.ffi_call(native.GAE_TARGET, (result, result), vmap_method="broadcast_all")
+    return tuple(call(rewards, values, is_action, gamma, lam))
+
+
+def _skip_observation_gae_kernel_fwd(rewards, values, is_action, gamma, lam):
+    outputs = _skip_observation_gae_kernel(rewards, values, is_action, gamma, lam)
+    return outputs, (rewards, values, is_action, gamma, lam)
+
+
+def _skip_observation_gae_kernel_bwd(inputs, cotangents):
+    # The kernel has no transpose of its own: reuse the scan path's VJP (the same function).
+    rewards, values, is_action, gamma, lam = inputs
+    _, vjp = jax.vjp(lambda r, v, g, l: _skip_observation_gae_xla(r, v, is_action, g, l, "scan"),
+                     rewards, values, gamma, lam)
+    d_rewards, d_values, d_gamma, d_lam = vjp(cotangents)
+    return d_rewards, d_values, None, d_gamma, d_lam
+
+
+_skip_observation_gae_kernel.defvjp(_skip_observation_gae_kernel_fwd,
+                                    _skip_observation_gae_kernel_bwd)
 
 
 def cross_observation_gae(
