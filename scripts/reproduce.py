@@ -5,6 +5,7 @@
     python scripts/reproduce.py --suite all --quick           # smoke run, 1 seed, tiny budgets -> results/quick/
     python scripts/reproduce.py --suite open --report-only    # tables and plots from the metrics already there
     python scripts/reproduce.py --suite table5 --seeds 3 train.steps=400   # key=value overrides for every run
+    python scripts/reproduce.py --suite open --seeds 2 --rows dis estr     # only these rows
 
 Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 4 + GRPO+DIS), table5
 (step- vs token-level GAE), online (style switches, SAO vs a global running mean), open (skip- vs
@@ -253,15 +254,22 @@ def run_one(path: Path, output_dir: Path, seed: int, overrides: Sequence[str], *
 
 def run_suite(suite_name: str, seeds: int, out: Path, *, overrides: Sequence[str] = (), quick: bool = False,
               train_fn: Callable | None = None, log: Callable[[str], None] = print,
-              ) -> dict[str, list[str]]:  # fmt: skip
-    """Every row x seed of a suite; returns {"skipped"|"resumed"|"ran"|"failed": [run folders]}."""
+              rows: Sequence[str] | None = None) -> dict[str, list[str]]:  # fmt: skip
+    """Every row x seed of a suite (only `rows`, if given); returns {"skipped"|"resumed"|"ran"|"failed":
+    [run folders]}."""
     from sao_jax.config import load_config
 
     if train_fn is None:
         from sao_jax.train.loop import train as train_fn
     suite = SUITES[suite_name]
+    names = [row.name for row in suite.rows]
+    unknown = sorted(set(rows or ()) - set(names))
+    if unknown:
+        raise ValueError(f"suite {suite_name} has no row(s) {unknown}; its rows are {names}")
     outcome: dict[str, list[str]] = {"skipped": [], "resumed": [], "ran": [], "failed": []}
     for row in suite.rows:
+        if rows and row.name not in rows:
+            continue
         path = config_file(suite_name, row.name)
         for seed in range(seeds):
             output_dir = run_dir(out, suite_name, row.name, seed)
@@ -559,6 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, tiny budgets, under OUT/quick/")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--report-only", action="store_true", help="write the tables and plots, run nothing")
+    parser.add_argument("--rows", nargs="+", default=None, help="run only these rows of the suite (the report has all)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value for every run (after the config and --quick)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
@@ -572,7 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             # Rows share most programs: compile each once for the whole suite.
             jax.config.update("jax_compilation_cache_dir", str((out / ".jax_cache").resolve()))
-            failed += run_suite(name, seeds, out, overrides=args.overrides, quick=args.quick)["failed"]
+            failed += run_suite(name, seeds, out, overrides=args.overrides, quick=args.quick,
+                                rows=args.rows)["failed"]
         print(f"report: {write_report(name, out)}")
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)

@@ -296,6 +296,15 @@ def test_finished_runs_are_skipped_and_interrupted_ones_resumed(tmp_path):
     assert [(c.output_dir, resume) for c, resume in train.calls] == [(outcome["resumed"][0], True)]
 
 
+def test_rows_runs_only_the_named_rows_and_rejects_unknown_ones(tmp_path):
+    train = StubTrain()
+    outcome = reproduce.run_suite("table5", 2, tmp_path, train_fn=train, log=lambda _: None,
+                                  rows=["step_last_token"])
+    assert sorted(outcome["ran"]) == [str(tmp_path / "table5" / "step_last_token" / f"seed{k}") for k in (0, 1)]
+    with pytest.raises(ValueError, match=r"no row\(s\) \['step_lst'\].*step_last_token"):
+        reproduce.run_suite("table5", 1, tmp_path, train_fn=train, rows=["step_lst"])
+
+
 def test_a_folder_of_another_config_is_an_error_and_a_failing_row_does_not_stop_the_suite(tmp_path):
     train = StubTrain(fail_on=("step_average",))
     messages = []
