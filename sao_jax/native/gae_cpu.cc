@@ -13,7 +13,6 @@
 // 0.93 two at a time, 6.4 four and 16 eight at a time — with power-of-two row lengths the rows'
 // tokens t share a cache set, and 4 rows × 5 arrays outnumber its ways.
 
-#include <algorithm>
 #include <cstdint>
 
 #include "xla/ffi/api/ffi.h"
@@ -24,7 +23,7 @@ namespace {
 
 constexpr int64_t kLanes = 2;
 
-// Rows [0, lanes) of length `len`, starting at the given row pointers (row-major, stride len).
+// `Lanes` consecutive rows of length `len` (row-major), starting at the given pointers.
 template <typename T, int64_t Lanes>
 void GaeRowBlock(const T* rewards, const T* values, const bool* is_action, const T* gamma,
                  const T* lam, int64_t len, T* advantages, T* returns) {
