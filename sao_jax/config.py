@@ -207,6 +207,11 @@ class TrainConfig:
     mode: str = "sync"  # "sync": deterministic lockstep; "async": streaming single rollouts
     max_staleness: int = 4  # async: drop trajectories sampled more than this many versions ago
     queue_capacity: int = 64  # async: finished trajectories waiting for the trainer
+    # Memory of a train step (the numbers do not change): rows per micro-batch, their gradients summed
+    # (0 = the whole batch at once; must divide the batch), and positions per piece of the policy's
+    # logits, each piece made and dropped (0 = the whole sequence's [time, vocab] logits at once).
+    micro_batch_size: int = 0
+    logit_chunk: int = 0
     wandb: bool = False  # also log every metrics line to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "sao_jax"
 
@@ -215,6 +220,10 @@ class TrainConfig:
                (("batch_size", self.batch_size), ("eval_every", self.eval_every),
                 ("checkpoint_every", self.checkpoint_every), ("keep_checkpoints", self.keep_checkpoints))
                if v < 1]  # fmt: skip
+        out += [(n, f"must be >= 0 (got {v})") for n, v in
+                (("micro_batch_size", self.micro_batch_size), ("logit_chunk", self.logit_chunk)) if v < 0]  # fmt: skip
+        if self.micro_batch_size and self.batch_size % self.micro_batch_size:
+            out.append(("micro_batch_size", f"must divide batch_size={self.batch_size} (got {self.micro_batch_size})"))
         if self.mode not in ("sync", "async"):
             out.append(("mode", f"must be sync or async (got {self.mode!r})"))
         return out

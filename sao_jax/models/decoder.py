@@ -128,15 +128,51 @@ class Policy(Decoder):
     def forward(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
         """(logits float32 [batch, time, vocab], cache, aux_loss); see the module docstring."""
         hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache)
-        if self.config.tie_word_embeddings:
-            kernel = self.embed.embedding[...].T
+        return _logits(hidden, self._head_kernel()), cache, aux_loss
+
+    def token_logprobs(self, input_ids, attention_mask=None, *, chunk: int = 0):
+        """(log π(token_t | tokens_<t) float32 [batch, time], 0 at t = 0; aux loss): the numbers of
+        `losses.token_logprobs(forward(...)[0], input_ids)`, made `chunk` positions at a time.
+
+        Each chunk's logits [batch, chunk, vocab] are made, read at the next token and dropped; the
+        backward pass remakes them (`jax.checkpoint`), so the whole-sequence logits and their gradient
+        never exist — at 128k tokens and a 152k vocabulary those are 148 GiB per sequence. chunk 0
+        (or ≥ time): the logits of the whole sequence at once, kept for the backward pass.
+        """
+        hidden, _, aux_loss = self.hidden_states(input_ids, None, attention_mask)
+        kernel = self._head_kernel()
+        next_tokens = jnp.pad(input_ids[:, 1:], ((0, 0), (0, 1)))  # position t predicts token t+1
+
+        def next_token_logprobs(hidden, next_tokens):
+            logprobs = jax.nn.log_softmax(_logits(hidden, kernel), axis=-1)
+            return jnp.take_along_axis(logprobs, next_tokens[..., None], axis=-1)[..., 0]
+
+        batch, time = input_ids.shape
+        if not chunk or chunk >= time:
+            picked = next_token_logprobs(hidden, next_tokens)
         else:
-            kernel = self.lm_head.kernel[...]
-        logits = jnp.einsum("btd,dv->btv", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
-        return logits, cache, aux_loss
+            pieces = -(-time // chunk)
+            pad = pieces * chunk - time
+
+            def split(x):  # [batch, time, ...] -> [pieces, batch, chunk, ...]
+                x = jnp.pad(x, ((0, 0), (0, pad)) + ((0, 0),) * (x.ndim - 2))
+                return x.reshape(batch, pieces, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+            picked = jax.lax.map(lambda xs: jax.checkpoint(next_token_logprobs)(*xs), (split(hidden), split(next_tokens)))
+            picked = picked.swapaxes(0, 1).reshape(batch, pieces * chunk)[:, :time]
+        return jnp.pad(picked[:, :-1], ((0, 0), (1, 0))), aux_loss
+
+    def _head_kernel(self) -> jax.Array:
+        """The LM head [embed, vocab]: the transposed token embedding when tied."""
+        return self.embed.embedding[...].T if self.config.tie_word_embeddings else self.lm_head.kernel[...]
 
     def __call__(self, input_ids, positions=None, attention_mask=None) -> jax.Array:
         return self.forward(input_ids, positions, attention_mask)[0]
+
+
+def _logits(hidden: jax.Array, kernel: jax.Array) -> jax.Array:
+    """hidden [..., embed] · kernel [embed, vocab] in the compute dtype, accumulated and returned in float32."""
+    return jnp.einsum("...d,dv->...v", hidden, kernel.astype(hidden.dtype), preferred_element_type=jnp.float32)
 
 
 class LMHead(nnx.Module):

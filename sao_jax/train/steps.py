@@ -90,11 +90,53 @@ def policy_logits(graphdef, params, buffers, batch: TrajectoryBatch) -> tuple[ja
     return logits, aux_loss
 
 
-def critic_values(graphdef, params, buffers, batch: TrajectoryBatch) -> tuple[jax.Array, jax.Array]:
-    """(V [batch, time] with V[t] the value of the state before token t, router aux loss)."""
-    model = nnx.merge(graphdef, params, buffers)
-    raw, _, aux_loss = model.forward(batch.tokens, attention_mask=batch.valid_mask)
+def policy_logprobs(graphdef, params, buffers, batch: TrajectoryBatch, config: Config) -> tuple[jax.Array, jax.Array]:
+    """(log π(token_t | tokens_<t) float32 [batch, time], router aux loss), in micro-batches of
+    `train.micro_batch_size` rows with logits made `train.logit_chunk` positions at a time."""
+
+    def forward(tokens, valid_mask):
+        model = nnx.merge(graphdef, params, buffers)
+        return model.token_logprobs(tokens, valid_mask, chunk=config.train.logit_chunk)
+
+    return in_micro_batches(forward, batch.tokens, batch.valid_mask, config.train.micro_batch_size)
+
+
+def critic_values(graphdef, params, buffers, batch: TrajectoryBatch, config: Config) -> tuple[jax.Array, jax.Array]:
+    """(V [batch, time] with V[t] the value of the state before token t, router aux loss), in
+    micro-batches of `train.micro_batch_size` rows."""
+
+    def forward(tokens, valid_mask):
+        raw, _, aux_loss = nnx.merge(graphdef, params, buffers).forward(tokens, attention_mask=valid_mask)
+        return raw, aux_loss
+
+    raw, aux_loss = in_micro_batches(forward, batch.tokens, batch.valid_mask, config.train.micro_batch_size)
     return jnp.pad(raw[:, :-1], ((0, 0), (1, 0))), aux_loss
+
+
+def in_micro_batches(forward, tokens: jax.Array, valid_mask: jax.Array, micro_batch_size: int):
+    """`forward(tokens, valid_mask) -> (per-token [rows, time], aux loss)` over slices of
+    `micro_batch_size` rows, one after another: gradient accumulation without an accumulator to keep.
+
+    Each slice runs under `jax.checkpoint` inside `lax.map`, so the backward pass keeps only the
+    per-token outputs, remakes one slice's activations at a time, and the scan's backward sums the
+    slices' parameter gradients. The outputs are the whole batch's, in row order, so every loss and
+    metric computed from them is the whole batch's; the aux loss is the mean of the slices' (a router
+    load-balancing loss is not linear in the batch, and a capacity MoE dispatch sizes its expert slots
+    per call). Slice i holds rows i, i+n, i+2n, … of n slices, so rows sharded over devices in blocks
+    stay spread over the devices within a slice. 0, or ≥ the rows: the whole batch in one call.
+    """
+    rows = tokens.shape[0]
+    if not micro_batch_size or micro_batch_size >= rows:
+        return forward(tokens, valid_mask)
+    if rows % micro_batch_size:
+        raise ValueError(f"train.micro_batch_size={micro_batch_size} must divide the batch's {rows} rows")
+    slices = rows // micro_batch_size
+
+    def split(x):  # [rows, ...] -> [slices, micro_batch_size, ...]
+        return x.reshape(micro_batch_size, slices, *x.shape[1:]).swapaxes(0, 1)
+
+    per_token, aux = jax.lax.map(lambda xs: jax.checkpoint(forward)(*xs), (split(tokens), split(valid_mask)))
+    return per_token.swapaxes(0, 1).reshape(rows, *per_token.shape[2:]), jnp.mean(aux)
 
 
 # ------------------------------------------------------------------------------------ advantages
@@ -235,14 +277,15 @@ def trace_batch(batch: TrajectoryBatch, gold_tokens: Sequence[Sequence[int]]) ->
                       gold_tokens=gold, gold_length=gold_length, turn_start=turn_start, num_turns=num_turns)
 
 
-def reference_gold_logprob_mean(graphdef, params, buffers, batch: TraceBatch) -> jax.Array:
+def reference_gold_logprob_mean(graphdef, params, buffers, batch: TraceBatch, *, logit_chunk: int = 0) -> jax.Array:
     """ℓ̄ `[batch, turn_slots]`: the reference's mean teacher-forced log-prob of the gold answer g after
     each turn slot s,
 
         ℓ̄[b, s] = (1/|g_b|) · Σ_j log π_ref(g_b,j | tokens_b[:n_bs] ‖ g_b,<j),   n_bs = turn_start[b, s].
 
     The sequences `tokens[:n] ‖ g` are gathered on device, `[batch, time + gold_time]`, one batched
-    forward per slot; `lax.map` runs the slots in turn, so memory stays that of one batch forward.
+    forward per slot; `lax.map` runs the slots in turn, so memory stays that of one batch forward
+    (logits made `logit_chunk` positions at a time, `Policy.token_logprobs`).
     """
     time, gold_time = batch.tokens.shape[1], batch.gold_tokens.shape[1]
     position = jnp.arange(time + gold_time)
@@ -255,8 +298,7 @@ def reference_gold_logprob_mean(graphdef, params, buffers, batch: TraceBatch) ->
         gold = jnp.take_along_axis(batch.gold_tokens, jnp.clip(gold_position, 0, gold_time - 1), axis=1)
         tokens = jnp.where(in_prefix, prefix, jnp.where(in_gold, gold, 0))
         model = nnx.merge(graphdef, params, buffers)
-        logits, _, _ = model.forward(tokens, attention_mask=in_prefix | in_gold)
-        logp = losses.token_logprobs(logits, tokens)
+        logp, _ = model.token_logprobs(tokens, in_prefix | in_gold, chunk=logit_chunk)
         return jnp.sum(jnp.where(in_gold, logp, 0.0), axis=1) / jnp.maximum(batch.gold_length, 1)
 
     return jax.lax.map(score, batch.turn_start.T).T
@@ -273,7 +315,8 @@ def _trace_advantages(state: TrainState, batch: TraceBatch, graphs: Graphs, conf
     cfg = config.advantage
     outcome_advantage, _ = _outcome_advantages("grpo", batch, state.baseline, config)
     gold_logprob = jax.lax.stop_gradient(
-        reference_gold_logprob_mean(graphs.policy, state.reference_params, state.policy_buffers, batch))
+        reference_gold_logprob_mean(graphs.policy, state.reference_params, state.policy_buffers, batch,
+                                    logit_chunk=config.train.logit_chunk))
     turn_rewards = adv.trace_turn_rewards(gold_logprob, batch.num_turns, outcome_advantage, k=cfg.trace_k,
                                           gamma_td=cfg.trace_gamma_td, lambda_term=cfg.trace_lambda_term)
     advantages = adv.trace_token_advantages(turn_rewards, outcome_advantage, batch.turn_index, batch.action_mask,
@@ -327,7 +370,7 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config) -> Update:
         mask = estimator.value_mask(batch)
 
         def loss_fn(params):
-            values, aux_loss = critic_values(graphs.critic, params, state.critic_buffers, batch)
+            values, aux_loss = critic_values(graphs.critic, params, state.critic_buffers, batch, config)
             _, targets = estimator.gae(batch, jax.lax.stop_gradient(values), gamma, lam)
             loss, metrics = losses.value_loss(values, targets, mask)
             return loss + aux_coef * aux_loss, {**metrics, "value_loss": loss, "router_aux_loss": aux_loss}
@@ -356,7 +399,7 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
         baseline = state.baseline
         extra: Metrics = {}
         if estimator.gae is not None:
-            values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch)
+            values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
             advantages, _ = estimator.gae(batch, values, config.advantage.gamma, policy_lambda(batch, config))
         elif estimator.reference:
             advantages, extra = _trace_advantages(state, batch, graphs, config)
@@ -365,8 +408,7 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
             advantages = jnp.where(batch.action_mask, per_sequence[:, None], 0.0)
 
         def loss_fn(params):
-            logits, aux_loss = policy_logits(graphs.policy, params, state.policy_buffers, batch)
-            logp = losses.token_logprobs(logits, batch.tokens)
+            logp, aux_loss = policy_logprobs(graphs.policy, params, state.policy_buffers, batch, config)
             # One update per batch: π_θ_old is the pre-update policy, i.e. these very parameters.
             old_logp = jax.lax.stop_gradient(logp) if needs_old else None
             inputs = losses.PolicyLossInputs(
