@@ -139,13 +139,19 @@ class ModelConfig:
     param_dtype: str | None = None
     # Recompute each layer's activations in the backward pass (memory for about one extra forward).
     remat: bool = False
+    # Attention of full-sequence forwards: "xla" (einsum softmax; [time, time] scores in memory) or
+    # "splash" (the Pallas TPU flash kernel; interpreted, slowly, off TPU). None: the preset's ("xla").
+    attention: str | None = None
 
     def problems(self) -> list[tuple[str, str]]:
-        from sao_jax.models.config import DTYPES
+        from sao_jax.models.config import ATTENTIONS, DTYPES
 
-        return [(name, f"must be one of {', '.join(DTYPES)} or null (got {value!r})")
-                for name, value in (("dtype", self.dtype), ("param_dtype", self.param_dtype))
-                if value is not None and value not in DTYPES]  # fmt: skip
+        out = [(name, f"must be one of {', '.join(DTYPES)} or null (got {value!r})")
+               for name, value in (("dtype", self.dtype), ("param_dtype", self.param_dtype))
+               if value is not None and value not in DTYPES]  # fmt: skip
+        if self.attention is not None and self.attention not in ATTENTIONS:
+            out.append(("attention", f"must be one of {', '.join(ATTENTIONS)} or null (got {self.attention!r})"))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -484,8 +484,8 @@ def to_markdown(p: dict[str, Any]) -> str:
         f"Train micro-batch {w['micro_batch']} × {w['train_seq_len']} tokens "
         f"({'with' if w['gradient_accumulation'] else 'no'} gradient accumulation to {w['train_batch']} sequences"
         f"{', logits in chunks of ' + str(w['logit_chunk']) if w['logit_chunk'] else ''}). "
-        f"Not counted (a flash kernel avoids it): attention scores materialised as the current "
-        f"`dot_product_attention` does, {_gib(pol['activations']['scores_if_materialized'])} GiB per chip per layer.",
+        f"Not counted (`model.attention: splash` avoids it): attention scores materialised as "
+        f"`model.attention: xla` does, {_gib(pol['activations']['scores_if_materialized'])} GiB per chip per layer.",
         "",
         "| per chip, GiB | |",
         "|---|---:|",

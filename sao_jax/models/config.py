@@ -25,6 +25,7 @@ import jax.numpy as jnp
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
 MOE_DISPATCHES = ("dense", "sorted", "capacity", "blocked")
+ATTENTIONS = ("xla", "splash")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -59,6 +60,9 @@ class ModelConfig:
     `remat`: recompute each layer's intermediates in the backward pass (`jax.checkpoint` per layer)
     instead of keeping them, so training keeps only the layer inputs — the [batch, time, embed]
     residual stream per layer — for about one extra forward of compute. No effect on the numbers.
+    `attention` of full-sequence forwards (training, prefill without a cache): "xla" (the einsum
+    softmax, [time, time] scores in memory) or "splash" (the Pallas TPU flash kernel, which never
+    stores the scores; interpreted off TPU, for tests). Cached decoding always uses "xla".
     """
 
     model_type: str  # "qwen3_moe" | "glm4_moe": which Hugging Face family this maps to
@@ -100,6 +104,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
+    attention: str = "xla"
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
@@ -117,6 +122,7 @@ class ModelConfig:
             )
         _check_choice("router_scoring", self.router_scoring, ROUTER_SCORINGS)
         _check_choice("moe_dispatch", self.moe_dispatch, MOE_DISPATCHES)
+        _check_choice("attention", self.attention, ATTENTIONS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("param_dtype", self.param_dtype, DTYPES)
         if self.num_experts:

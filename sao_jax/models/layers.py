@@ -7,6 +7,8 @@ mesh axes. Parameters are created with `eager_sharding=False`, so building a mod
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Sequence
 
 import flax.struct
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models.config import ModelConfig
+from sao_jax.models.sharding import active_mesh_and_rules, logical_to_spec
 
 # Additive mask value for disallowed attention logits: finite, so a fully masked row (a padding query)
 # gives a uniform softmax instead of NaN.
@@ -109,10 +112,13 @@ class AttentionLayout:
     allowed: bool [batch, time, keys]: query t may attend key s.
     write_slots: int [batch, time] cache slot of each token (max_len for padding: dropped), or None
     without a cache.
+    token_mask: bool [batch, time]: the chunk's real tokens (what a flash kernel reads instead of
+    `allowed`).
     """
 
     allowed: jax.Array
     write_slots: jax.Array | None
+    token_mask: jax.Array
 
     @staticmethod
     def build(token_mask: jax.Array, lengths: jax.Array | None, max_len: int | None) -> AttentionLayout:
@@ -126,7 +132,8 @@ class AttentionLayout:
         if lengths is None:
             index = jnp.arange(time)
             causal = index[None, :] <= index[:, None]  # [time(query), time(key)]
-            return AttentionLayout(allowed=causal[None] & token_mask[:, None, :], write_slots=None)
+            return AttentionLayout(allowed=causal[None] & token_mask[:, None, :], write_slots=None,
+                                   token_mask=token_mask)
         query_slots = lengths[:, None] + jnp.cumsum(token_mask, axis=1) - 1  # [batch, time]
         new_lengths = lengths + jnp.sum(token_mask, axis=1)
         key_slots = jnp.arange(max_len)
@@ -134,7 +141,7 @@ class AttentionLayout:
             key_slots[None, None, :] < new_lengths[:, None, None]
         )
         write_slots = jnp.where(token_mask, query_slots, max_len)
-        return AttentionLayout(allowed=allowed, write_slots=write_slots)
+        return AttentionLayout(allowed=allowed, write_slots=write_slots, token_mask=token_mask)
 
 
 def dot_product_attention(q, k, v, allowed):
@@ -151,6 +158,65 @@ def dot_product_attention(q, k, v, allowed):
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
     return out.reshape(batch, time, heads, head_dim)
+
+
+def splash_attention(q, k, v, token_mask):
+    """`dot_product_attention` without a cache — causal, over real tokens — by the Pallas TPU
+    splash (flash) kernel: scores are made block by block and never stored, in the forward or the
+    backward pass. Same shapes as `dot_product_attention`, `token_mask` bool [batch, time].
+
+    Padding tokens are segment 0 and real ones segment 1, so a real query sees exactly the earlier
+    real keys (a padding query sees earlier padding; its output is never read). Time is padded to
+    the kernel's block size. Each kv head runs the multi-query kernel on its group of query heads.
+    Under `use_mesh` the call is a `shard_map` over the batch and kv-head axes (a Pallas call cannot
+    be partitioned by XLA). Off TPU the kernel is interpreted: exact but slow, for tests.
+    """
+    from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
+
+    batch, time, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    block = 512 if time > 256 else -(-time // 128) * 128
+    padded = -(-time // block) * block
+    interpret = jax.default_backend() != "tpu"
+    if interpret:
+        _warn_interpreted()
+    kernel = _splash_kernel(padded, heads // kv_heads, block, interpret)
+
+    def attend(q, k, v, segment):  # one shard: q [b, t, h, d], k v [b, t, kv, d], segment [b, t]
+        b, _, h, _ = q.shape
+        kv = k.shape[2]
+        pad = ((0, 0), (0, padded - time), (0, 0), (0, 0))
+        q = jnp.pad(q * head_dim**-0.5, pad).reshape(b, padded, kv, h // kv, head_dim).transpose(0, 2, 3, 1, 4)
+        k, v = (jnp.pad(x, pad).transpose(0, 2, 1, 3) for x in (k, v))  # [b, kv, padded, d]
+        segment = jnp.pad(segment.astype(jnp.int32), ((0, 0), (0, padded - time)))
+        per_head = jax.vmap(lambda q, k, v, ids: kernel(q, k, v, segment_ids=ids), in_axes=(0, 0, 0, None))
+        out = jax.vmap(lambda q, k, v, s: per_head(q, k, v, SegmentIds(q=s, kv=s)))(q, k, v, segment)
+        return out.transpose(0, 3, 1, 2, 4).reshape(b, padded, h, head_dim)[:, :time]
+
+    active = active_mesh_and_rules()
+    if active is None:
+        return attend(q, k, v, token_mask)
+    mesh, rules = active
+    heads_spec = logical_to_spec(("batch", "length", "kv_heads", "head_dim"), rules)
+    mask_spec = logical_to_spec(("batch", "length"), rules)
+    return jax.shard_map(attend, mesh=mesh, in_specs=(heads_spec, heads_spec, heads_spec, mask_spec),
+                         out_specs=heads_spec, check_vma=False)(q, k, v, token_mask)  # fmt: skip
+
+
+@functools.cache
+def _splash_kernel(length: int, group: int, block: int, interpret: bool):
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    mask = splash.MultiHeadMask([splash.CausalMask((length, length)) for _ in range(group)])
+    sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
+                              block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)  # fmt: skip
+    return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+@functools.cache
+def _warn_interpreted() -> None:
+    warnings.warn("model.attention=splash off TPU: the Pallas kernel is interpreted (exact, slow; for tests)",
+                  stacklevel=3)  # fmt: skip
 
 
 class Projection(nnx.Module):
@@ -192,6 +258,7 @@ class Attention(nnx.Module):
         self.k_norm = RMSNorm(hd, config) if config.qk_norm else None
         self.rotary_dim = config.rotary_dim
         self.rope_theta = config.rope_theta
+        self.splash = config.attention == "splash"
 
     def __call__(self, x, positions, layout: AttentionLayout, cache_kv=None):
         """x: [batch, time, embed]; positions: int [batch, time]. With `cache_kv = (keys, values)`
@@ -208,5 +275,8 @@ class Attention(nnx.Module):
             k = cache_k.at[batch_index, layout.write_slots].set(k.astype(cache_k.dtype), mode="drop")
             v = cache_v.at[batch_index, layout.write_slots].set(v.astype(cache_v.dtype), mode="drop")
             cache_kv = (k, v)
-        out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
+        if self.splash and cache_kv is None:
+            out = splash_attention(q, k, v, layout.token_mask)
+        else:
+            out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
         return self.o_proj(out), cache_kv

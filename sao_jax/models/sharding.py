@@ -71,6 +71,11 @@ def use_mesh(mesh: Mesh, rules: LogicalRules = DEFAULT_RULES) -> Iterator[None]:
         _ACTIVE.reset(token)
 
 
+def active_mesh_and_rules() -> tuple[Mesh, LogicalRules] | None:
+    """The (mesh, rules) of the enclosing `use_mesh`, or None outside one."""
+    return _ACTIVE.get()
+
+
 def with_logical_constraint(x: jax.Array, logical_axes: Sequence[str | None]) -> jax.Array:
     """Sharding constraint on an activation by logical axes; the identity outside `use_mesh`."""
     active = _ACTIVE.get()

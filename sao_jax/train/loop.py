@@ -104,7 +104,8 @@ def build_run(config: Config) -> Run:
     eval_prompts = prompt_pool(config, env_cls, config.env.eval_file, config.env.eval_prompts, _EVAL)
     model = config.model
     overrides = {name: value for name, value in
-                 (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype))
+                 (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype),
+                  ("attention", model.attention))
                  if value is not None} | ({"remat": True} if model.remat else {})  # fmt: skip
     if model.pretrained:
         tokenizer = HFTokenizer.from_folder(model.pretrained)
