@@ -17,9 +17,13 @@ Every process runs the same program on the same config; what differs is which de
 
 One process with several devices (a multi-chip host) takes the same path with P = 1 (the state on
 the mesh, rollouts on the first device) when `config.mesh` gives every axis size explicitly (no -1:
-e.g. `mesh.fsdp=8`) and they cover more than one device, in `train.mode: sync`. Otherwise one process
-trains on its first device and every placement is the identity. Only `train.mode: sync` runs multi-process:
-the threaded async engine does not issue the same computations in the same order on every process.
+e.g. `mesh.fsdp=8`) and they cover more than one device. Otherwise one process trains on its first
+device and every placement is the identity.
+
+`train.mode: async` with P processes (`loop.StreamingBatches`): each process streams its own
+rollouts on its first device, and the trainer thread, which alone issues computations over the mesh,
+exchanges one block of trajectories per process each step; so every process issues the same global
+computations in the same order, as multi-controller JAX requires.
 """
 
 from __future__ import annotations
@@ -72,18 +76,15 @@ class Cluster:
 
     @classmethod
     def for_config(cls, config: Config) -> Cluster:
-        """The global mesh of `config.mesh` when there are several processes, or in a sync run of one
-        process whose mesh sizes are all explicit and span several devices; else no mesh."""
+        """The global mesh of `config.mesh` when there are several processes, or for one process whose
+        mesh sizes are all explicit and span several devices; else no mesh."""
         sizes = config.mesh.shape().values()
         explicit = -1 not in sizes and np.prod(list(sizes)) > 1
-        if jax.process_count() == 1 and not (explicit and config.train.mode == "sync"):
+        if jax.process_count() == 1 and not explicit:
             if jax.device_count() > 1:
-                log.info("one process, %d devices: training on the first (a sync run uses them all when the "
+                log.info("one process, %d devices: training on the first (a run uses them all when the "
                          "mesh sizes are given, e.g. mesh.fsdp=%d)", jax.device_count(), jax.device_count())
             return cls()
-        if config.train.mode != "sync":
-            raise ValueError(f"train.mode={config.train.mode!r} cannot run as {jax.process_count()} processes: "
-                             "multi-process training needs train.mode=sync")
         if config.mesh.rollout_devices:
             raise ValueError(f"mesh.rollout_devices={config.mesh.rollout_devices} is not supported with several "
                              "processes (rollouts time-share the train mesh); set it to 0")

@@ -10,6 +10,7 @@ writes the same metrics as the uninterrupted run.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import itertools
@@ -154,6 +155,7 @@ def policy_weights(state: steps_lib.TrainState, graphs: steps_lib.Graphs):
 def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
     rewards = np.array([t.outcome_reward for t in trajectories])
     return {
+        f"{prefix}/trajectories": len(trajectories),
         f"{prefix}/reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
         f"{prefix}/success_rate": float((rewards >= 1.0).mean()) if len(rewards) else 0.0,
         f"{prefix}/num_turns": float(np.mean([t.info.get("num_turns", 0) for t in trajectories])),
@@ -396,46 +398,75 @@ class StreamingBatches:
     """Async mode: the rollout engine streams rollouts as they finish — single ones (SAO), or whole
     groups of G = `advantage.group_size` (members adjacent; a group with a failed or too-stale member
     is dropped whole); weights are published after every step and picked up by running rollouts
-    between decode chunks."""
+    between decode chunks.
 
-    def __init__(self, run: Run, rollout_loop: AgentLoop, weights, start_step: int):
+    With P processes each runs its own engine on its first local device, with a local replica of the
+    weights, over its own prompt stream (the i-th prompt of process p is draw i·P + p of the pool),
+    and contributes `batch_size / P` trajectories a step; the blocks are exchanged in process order,
+    so every process trains on the same batch, and the engines' counters are summed (the trainer's
+    idle fraction averaged), so every process logs the same metrics. Only the trainer thread talks to
+    the other processes, once a step; the engines' threads run local computations only.
+    """
+
+    def __init__(self, run: Run, rollout_loop: AgentLoop | ProcessRollouts, weights, start_step: int):
         from sao_jax.rollout.agent_loop import RolloutService
         from sao_jax.rollout.engine import RolloutEngine, WeightStore
 
         config = run.config
-        self.run = run
-        self.store = WeightStore(_copy(weights), version=start_step)
-        self.service = RolloutService(rollout_loop)
+        self.run, self.cluster = run, run.cluster
+        self.process, self.processes = jax.process_index(), jax.process_count()
+        if config.train.batch_size % self.processes:
+            raise ValueError(f"train.batch_size={config.train.batch_size} must be a multiple of the {self.processes} "
+                             "processes: each contributes the same number of trajectories a step")  # fmt: skip
+        key = jax.random.fold_in(jax.random.key(config.seed), start_step)
+        if self.processes > 1:
+            key = jax.random.fold_in(key, self.process)
+        self.store = WeightStore(self._local(weights), version=start_step)
+        local_loop = rollout_loop.loop if isinstance(rollout_loop, ProcessRollouts) else rollout_loop
+        self.service = RolloutService(local_loop)
         self.engine = RolloutEngine(
-            self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count()), self.store,
-            jax.random.fold_in(jax.random.key(config.seed), start_step), num_workers=config.rollout.num_slots,
-            queue_capacity=config.train.queue_capacity, max_staleness=config.train.max_staleness,
-            group_size=config.advantage.group_size,
+            self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count()), self.store, key,
+            num_workers=config.rollout.num_slots, queue_capacity=config.train.queue_capacity,
+            max_staleness=config.train.max_staleness, group_size=config.advantage.group_size,
         )  # fmt: skip
 
+    def _local(self, weights):
+        """The trainer's weights for this process's sampler: a copy (the next step donates the state's
+        buffers), gathered whole onto the first local device when the state lives on a mesh."""
+        return _copy(weights) if self.cluster.mesh is None else self.cluster.local_replica(weights)
+
     def pool_index(self, prompt_index: int) -> int:
+        """The pool entry of this process's `prompt_index`-th prompt."""
         config = self.run.config
-        return int(np.random.default_rng([config.seed, _RL, prompt_index]).integers(len(self.run.train_prompts)))
+        draw = prompt_index * self.processes + self.process
+        return int(np.random.default_rng([config.seed, _RL, draw]).integers(len(self.run.train_prompts)))
 
     def next(self, step: int, weights) -> tuple[list[Trajectory], dict[str, float]]:
         if step - 1 > self.store.version:
-            # The trainer's weights after step − 1 (a copy: the next step donates the state's buffers).
-            self.store.publish(_copy(weights), step - 1)
-        batch = self.engine.get_batch(self.run.config.train.batch_size)
+            self.store.publish(self._local(weights), step - 1)  # the trainer's weights after step − 1
+        batch = self.engine.get_batch(self.run.config.train.batch_size // self.processes)
         for trajectory in batch:  # the engine numbers prompts; baselines key on the pool index
             trajectory.prompt_id = self.pool_index(trajectory.prompt_id)
-        metrics = self.engine.metrics()
-        histogram = metrics["staleness_histogram"]
+        blocks = self.cluster.all_gather([(batch, self.engine.metrics())])
+        batch = [trajectory for block, _ in blocks for trajectory in block]
+        metrics = [engine_metrics for _, engine_metrics in blocks]
+
+        def total(name):
+            return sum(m[name] for m in metrics)
+
+        histogram = collections.Counter()
+        for m in metrics:
+            histogram.update(m["staleness_histogram"])
         seen = sum(histogram.values())
         return batch, {
-            "async/queue_depth": metrics["queue_depth"],
-            "async/trainer_idle_fraction": metrics["trainer_idle_fraction"],
-            "async/trajectories_per_s": metrics["trajectories_per_s"],
-            "async/action_tokens_per_s": metrics["action_tokens_per_s"],
-            "async/dropped_stale": metrics["trajectories_dropped_stale"],
+            "async/queue_depth": total("queue_depth"),
+            "async/trainer_idle_fraction": total("trainer_idle_fraction") / len(metrics),
+            "async/trajectories_per_s": total("trajectories_per_s"),
+            "async/action_tokens_per_s": total("action_tokens_per_s"),
+            "async/dropped_stale": total("trajectories_dropped_stale"),
             "async/staleness_mean": sum(k * v for k, v in histogram.items()) / max(seen, 1),
-            "train/env_failed": metrics["trajectories_failed"],
-            "train/group_members_discarded": metrics["trajectories_discarded"],
+            "train/env_failed": total("trajectories_failed"),
+            "train/group_members_discarded": total("trajectories_discarded"),
         }
 
     def close(self) -> None:

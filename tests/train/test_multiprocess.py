@@ -119,6 +119,32 @@ def test_one_process_with_two_devices_puts_the_state_on_a_mesh_and_matches_one_d
     assert_matches_one_device(two_devices, one)
 
 
+@pytest.fixture(scope="module")
+def async_run(tmp_path_factory):
+    """`train.mode=async` as 2 processes: (output dir, outputs of processes 0 and 1)."""
+    tmp = tmp_path_factory.mktemp("multiprocess_async")
+    port = free_port()
+    outputs = finish([start(tmp / "run", tmp / "jax_cache", "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+                            "2", "--process-id", str(i), "train.mode=async") for i in range(2)])  # fmt: skip
+    return tmp / "run", outputs
+
+
+@pytest.mark.slow
+def test_two_processes_stream_rollouts_asynchronously_and_log_identical_metrics(async_run):
+    run, outputs = async_run
+    for i, output in enumerate(outputs):
+        assert f"process {i} of 2: train state on the mesh data=1 fsdp=2 expert=1 tensor=1" in output
+    lines = metric_lines(run / "metrics.jsonl")
+    assert metric_lines(run / "process_1" / "metrics.jsonl") == lines
+    rl = [line for line in lines if "policy/loss" in line]
+    assert [line["step"] for line in rl] == [1, 2]
+    for line in rl:  # each process streamed 2 of the batch's 4; the engines' counters are summed
+        assert line["train/trajectories"] == 4
+        assert line["async/trajectories_per_s"] > 0
+        assert 0 <= line["async/staleness_mean"] <= 1
+    assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1, 2]
+
+
 def test_process_blocks_cover_the_prompts_in_order():
     for n in range(12):
         for count in range(1, 5):
