@@ -7,8 +7,9 @@ Every process runs the same program on the same config; what differs is which de
                   the jitted steps run SPMD over it (`Cluster.step`)
     batches       the whole collated batch on every process; its rows split over (data, fsdp)
     rollouts      a list of n prompts is cut into contiguous blocks, one per process:
-                  process p rolls out prompts [⌊p·n/P⌋, ⌊(p+1)·n/P⌋) on its first local device, with a
-                  local replica of the policy weights, prompt i with key fold_in(key, i) (i global);
+                  process p rolls out prompts [⌊p·n/P⌋, ⌊(p+1)·n/P⌋) on its own devices, with a local
+                  replica of the policy weights spread over them (`Cluster.local_replica`), prompt i
+                  with key fold_in(key, i) (i global);
                   the trajectories are then exchanged, so every process holds all n, in prompt order,
                   and computes the same host-side metrics as one process rolling out all n
     side effects  process 0 writes metrics.jsonl, TensorBoard, plots, config.yaml, summary.json;
@@ -16,12 +17,12 @@ Every process runs the same program on the same config; what differs is which de
                   check the hosts agree); Orbax checkpoints are written by all processes together
 
 One process with several devices (a multi-chip host) takes the same path with P = 1 (the state on
-the mesh, rollouts on the first device) when `config.mesh` gives every axis size explicitly (no -1:
+the mesh, rollouts on its devices) when `config.mesh` gives every axis size explicitly (no -1:
 e.g. `mesh.fsdp=8`) and they cover more than one device. Otherwise one process trains on its first
 device and every placement is the identity.
 
 `train.mode: async` with P processes (`loop.StreamingBatches`): each process streams its own
-rollouts on its first device, and the trainer thread, which alone issues computations over the mesh,
+rollouts on its own devices, and the trainer thread, which alone issues computations over the mesh,
 exchanges one block of trajectories per process each step; so every process issues the same global
 computations in the same order, as multi-controller JAX requires.
 """
@@ -29,6 +30,7 @@ computations in the same order, as multi-controller JAX requires.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import pickle
 from collections.abc import Callable, Sequence
@@ -150,12 +152,52 @@ class Cluster:
         return placed
 
     def local_replica(self, tree: Any) -> Any:
-        """A whole copy of `tree` (arrays on the mesh) on this process's first local device, for the
-        sampler: gathered over the mesh, then the local shard of the replicated result is taken."""
+        """A whole copy of `tree` (arrays on the mesh) for this process's sampler, spread over its own
+        devices: each NNX Variable by its logical axes on a local mesh whose `tensor` axis is every
+        local device (heads, kv heads, MLP and vocab dimensions split; a dimension that does not divide
+        stays whole), anything else replicated.
+
+        First one jitted reshard over all devices, arranged [process, local device], to those
+        shardings replicated across processes: an all-gather after which every process holds a whole
+        copy, 1/L of it on each of its L chips (no chip ever holds a whole replica). Then each process
+        assembles its own shards into arrays on its local mesh, where its sampler runs computations no
+        other process takes part in.
+        """
         if self.mesh is None:
             return tree
-        replicated = jax.jit(_identity, out_shardings=NamedSharding(self.mesh, PartitionSpec()))(tree)
-        return jax.tree.map(lambda x: x.addressable_data(0), replicated)
+        local_mesh, transfer_mesh = self._rollout_meshes
+        leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        values = [leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf for leaf in leaves]
+        is_key = [jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) for v in values]
+        values = [jax.random.key_data(v) if key else v for v, key in zip(values, is_key)]
+        specs = [_divisible_spec(v.shape, sharding.logical_to_spec(leaf.get_metadata().get("out_sharding") or (),
+                                                                   sharding.DEFAULT_RULES), local_mesh)
+                 if isinstance(leaf, nnx.Variable) else PartitionSpec() for leaf, v in zip(leaves, values)]  # fmt: skip
+        gathered = jax.jit(_identity, out_shardings=[NamedSharding(transfer_mesh, spec) for spec in specs])(values)
+        local_devices = list(local_mesh.devices.flat)
+        out = []
+        for leaf, x, spec, key in zip(leaves, gathered, specs, is_key):
+            shards = {shard.device: shard.data for shard in x.addressable_shards}
+            x = jax.make_array_from_single_device_arrays(x.shape, NamedSharding(local_mesh, spec),
+                                                         [shards[d] for d in local_devices])  # fmt: skip
+            x = jax.random.wrap_key_data(x) if key else x
+            out.append(leaf.replace(x) if isinstance(leaf, nnx.Variable) else x)
+        return jax.tree.unflatten(treedef, out)
+
+    @functools.cached_property
+    def _rollout_meshes(self) -> tuple[Mesh, Mesh]:
+        """(this process's devices as a mesh with `tensor` = all of them; every device as a mesh
+        [process, data, fsdp, expert, tensor] whose row p holds process p's devices in that order)."""
+        by_process: dict[int, list] = {}
+        for device in sorted(self.mesh.devices.flat, key=lambda d: d.id):
+            by_process.setdefault(device.process_index, []).append(device)
+        rows = [by_process[p] for p in sorted(by_process)]
+        if len({len(row) for row in rows}) != 1:
+            raise ValueError(f"processes drive different numbers of devices: {[len(row) for row in rows]}")
+        local = by_process[jax.process_index()]
+        local_mesh = Mesh(np.array(local).reshape(1, 1, 1, -1), sharding.MESH_AXES)
+        transfer_mesh = Mesh(np.array(rows).reshape(len(rows), 1, 1, 1, -1), ("process", *sharding.MESH_AXES))
+        return local_mesh, transfer_mesh
 
     def all_gather(self, items: Sequence[Any]) -> list[Any]:
         """Every process's `items` (picklable), concatenated in process order, on every process."""
@@ -171,6 +213,16 @@ class Cluster:
     def rollouts(self, loop: agent_loop_lib.AgentLoop) -> agent_loop_lib.AgentLoop | ProcessRollouts:
         """`loop` itself for one process, else the `ProcessRollouts` that shares its prompts out."""
         return loop if self.mesh is None else ProcessRollouts(loop, self)
+
+
+def _divisible_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    """`spec` with the mesh axes dropped from each dimension they do not divide evenly."""
+    out = []
+    for size, axes in zip(shape, tuple(spec) + (None,) * (len(shape) - len(spec))):
+        names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+        split = int(np.prod([mesh.shape[name] for name in names]))
+        out.append(axes if size % split == 0 else None)
+    return PartitionSpec(*out)
 
 
 class ProcessRollouts:

@@ -400,9 +400,10 @@ class StreamingBatches:
     is dropped whole); weights are published after every step and picked up by running rollouts
     between decode chunks.
 
-    With P processes each runs its own engine on its first local device, with a local replica of the
-    weights, over its own prompt stream (the i-th prompt of process p is draw i·P + p of the pool),
-    and contributes `batch_size / P` trajectories a step; the blocks are exchanged in process order,
+    With P processes each runs its own engine on its own devices, with a local replica of the
+    weights (`Cluster.local_replica`), over its own prompt stream (its i-th prompt is draw i·P + p
+    of the pool), and contributes `batch_size / P` trajectories a step; the blocks are exchanged in
+    process order,
     so every process trains on the same batch, and the engines' counters are summed (the trainer's
     idle fraction averaged), so every process logs the same metrics. Only the trainer thread talks to
     the other processes, once a step; the engines' threads run local computations only.
@@ -432,7 +433,7 @@ class StreamingBatches:
 
     def _local(self, weights):
         """The trainer's weights for this process's sampler: a copy (the next step donates the state's
-        buffers), gathered whole onto the first local device when the state lives on a mesh."""
+        buffers), gathered whole onto this process's devices when the state lives on a mesh."""
         return _copy(weights) if self.cluster.mesh is None else self.cluster.local_replica(weights)
 
     def pool_index(self, prompt_index: int) -> int:

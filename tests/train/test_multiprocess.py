@@ -8,11 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from sao_jax.cli import main
-from sao_jax.train.distributed import process_block
+from sao_jax.models import Policy, sharding, tiny_qwen3_moe
+from sao_jax.train.distributed import Cluster, process_block
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -121,11 +124,11 @@ def test_one_process_with_two_devices_puts_the_state_on_a_mesh_and_matches_one_d
 
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
-    """`train.mode=async` as 2 processes: (output dir, outputs of processes 0 and 1)."""
+    """`train.mode=async` as 2 processes of 2 devices each: (output dir, outputs of processes 0 and 1)."""
     tmp = tmp_path_factory.mktemp("multiprocess_async")
     port = free_port()
     outputs = finish([start(tmp / "run", tmp / "jax_cache", "--coordinator", f"127.0.0.1:{port}", "--num-processes",
-                            "2", "--process-id", str(i), "train.mode=async") for i in range(2)])  # fmt: skip
+                            "2", "--process-id", str(i), "train.mode=async", devices=2) for i in range(2)])  # fmt: skip
     return tmp / "run", outputs
 
 
@@ -133,7 +136,7 @@ def async_run(tmp_path_factory):
 def test_two_processes_stream_rollouts_asynchronously_and_log_identical_metrics(async_run):
     run, outputs = async_run
     for i, output in enumerate(outputs):
-        assert f"process {i} of 2: train state on the mesh data=1 fsdp=2 expert=1 tensor=1" in output
+        assert f"process {i} of 2: train state on the mesh data=1 fsdp=4 expert=1 tensor=1" in output
     lines = metric_lines(run / "metrics.jsonl")
     assert metric_lines(run / "process_1" / "metrics.jsonl") == lines
     rl = [line for line in lines if "policy/loss" in line]
@@ -143,6 +146,22 @@ def test_two_processes_stream_rollouts_asynchronously_and_log_identical_metrics(
         assert line["async/trajectories_per_s"] > 0
         assert 0 <= line["async/staleness_mean"] <= 1
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1, 2]
+
+
+def test_the_samplers_replica_is_whole_and_spread_over_the_local_devices():
+    """One process, 4 devices: every weight equal to the trained one; q heads (4) split over the
+    4 devices, kv heads (2) whole on each, nothing sharded over the train mesh's fsdp."""
+    mesh = sharding.make_mesh({"fsdp": 4}, devices=jax.devices()[:4])
+    cluster = Cluster(mesh)
+    state = nnx.state(Policy(tiny_qwen3_moe(), rngs=nnx.Rngs(0)))
+    replica = dict(nnx.to_flat_state(cluster.local_replica(cluster.place(state))))
+    for path, variable in nnx.to_flat_state(state):
+        np.testing.assert_array_equal(replica[path].get_value(), variable.get_value(), err_msg=str(path))
+    q = replica[("layers", 0, "attn", "q_proj", "kernel")].get_value()  # [embed 32, heads 4, head_dim 8]
+    k = replica[("layers", 0, "attn", "k_proj", "kernel")].get_value()  # [embed 32, kv_heads 2, head_dim 8]
+    assert q.sharding.mesh.devices.size == 4
+    assert {shard.data.shape for shard in q.addressable_shards} == {(32, 1, 8)}
+    assert {shard.data.shape for shard in k.addressable_shards} == {(32, 2, 8)}
 
 
 def test_process_blocks_cover_the_prompts_in_order():
