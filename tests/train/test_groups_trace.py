@@ -22,6 +22,7 @@ from sao_jax.models import Critic, Policy, tiny_qwen3_moe
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import loop
 from sao_jax.train import steps as steps_lib
+from sao_jax.train.distributed import Cluster
 from tests.test_advantages import ref_trace_turn_rewards
 
 VOCAB = 97
@@ -128,7 +129,7 @@ def fake_run(group_size, batch_size, pool_size=10, **more):
     config = load_config(None, [f"advantage.group_size={group_size}", f"train.batch_size={batch_size}",
                                 *(f"{k}={v}" for k, v in more.items())])  # fmt: skip
     pool = [types.SimpleNamespace(id=i) for i in range(pool_size)]
-    return types.SimpleNamespace(config=config, train_prompts=pool)
+    return types.SimpleNamespace(config=config, train_prompts=pool, cluster=Cluster())
 
 
 def test_lockstep_batches_roll_out_whole_groups_and_drop_a_group_with_a_failure():
