@@ -270,12 +270,13 @@ def test_load_balancing_loss_matches_transformers_for_one_layer():
 
 
 @pytest.mark.slow
-def test_moe_block_is_the_same_with_every_dispatch():
+@pytest.mark.parametrize("time", [5, 20])  # 10 tokens: "blocked" takes its few-token path; 40: blocks
+def test_moe_block_is_the_same_with_every_dispatch(time):
     """Same parameters (same init key), every dispatch (capacity with enough slots for all): same
     output at real tokens and same aux loss (GLM routing: groups, correction bias, shared expert)."""
     assert set(DISPATCHES) == set(MOE_DISPATCHES)  # every name the config accepts has a dispatch
-    x = jax.random.normal(jax.random.key(0), (2, 5, 32))
-    token_mask = jnp.array([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]], bool)
+    x = jax.random.normal(jax.random.key(0), (2, time, 32))
+    token_mask = jnp.arange(time)[None, :] < jnp.array([[time], [time - 2]])
     outputs = {}
     for dispatch in MOE_DISPATCHES:
         config = tiny_glm4_moe(moe_dispatch=dispatch, initializer_range=0.5, moe_capacity_factor=4.0)  # 8 experts, k 2
@@ -284,5 +285,5 @@ def test_moe_block_is_the_same_with_every_dispatch():
     dense_out, dense_aux = outputs["dense"]
     for dispatch, (out, aux) in outputs.items():
         np.testing.assert_allclose(np.asarray(out)[token_mask], np.asarray(dense_out)[token_mask],
-                                   rtol=1e-5, atol=1e-6, err_msg=dispatch)  # fmt: skip
+                                   rtol=1e-5, atol=1e-5, err_msg=dispatch)  # fmt: skip (outputs reach ~10)
         np.testing.assert_allclose(float(aux), float(dense_aux), rtol=1e-6, err_msg=dispatch)

@@ -262,3 +262,12 @@ def test_stop_tokens_budgets_and_cache_end_per_row(plain_sampler, params):
     state, chunk = plain_sampler.decode_chunk(params, state, jax.random.split(jax.random.key(6), 4), [0, 0, 0, 5],
                                               stop_ids)  # fmt: skip
     assert int(chunk.num_tokens[3]) == 0 and bool(chunk.finished[3])
+
+
+def test_decode_windows_are_the_next_of_four_sizes_per_octave(plain_sampler):
+    """64, 80, 96, 112, 128, 160, …: the smallest at least as long as the longest row, capped by the cache."""
+    sizes = sorted({64} | {b + j * b // 4 for b in (2**k for k in range(6, 16)) for j in range(4)})
+    state = plain_sampler.init_state(1, 3000)
+    for longest in range(1, 3100):
+        want = min(3000, next(size for size in sizes if size >= longest))
+        assert plain_sampler.window_for(state, longest) == want, longest
