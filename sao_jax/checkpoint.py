@@ -10,6 +10,8 @@ file) is reported and skipped: `restore_latest` falls back to the newest step th
 
 In a multi-process run every process calls `save` and `restore` with its arrays on the global mesh;
 Orbax writes each array's shards from the processes that hold them (the directory must be shared).
+The directory may be a local path or a Cloud Storage URL (`gs://bucket/run/checkpoints`), which
+Orbax writes directly (`etils.epath`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 log = logging.getLogger(__name__)
 
@@ -30,11 +33,17 @@ def abstract_state(state: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
 
 
+def checkpoint_path(directory: str | Path) -> epath.Path:
+    """`directory` as Orbax takes it: a URL (`gs://…`) as it stands, a local path made absolute."""
+    path = epath.Path(directory)
+    return path if "://" in str(directory) else path.absolute()
+
+
 class Checkpointer:
     """Save and restore `(state pytree, host dict)` pairs by step under `directory`."""
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
-        self.directory = Path(directory).absolute()
+        self.directory = checkpoint_path(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )

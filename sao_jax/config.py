@@ -210,6 +210,9 @@ class TrainConfig:
     eval_every: int = 25
     checkpoint_every: int = 25
     keep_checkpoints: int = 3
+    # Where checkpoints go: None = OUTPUT_DIR/checkpoints. A gs:// URL is written by Orbax directly,
+    # with no bucket mount (metrics, TensorBoard and plots still go to output_dir).
+    checkpoint_dir: str | None = None
     mode: str = "sync"  # "sync": deterministic lockstep; "async": streaming single rollouts
     max_staleness: int = 4  # async: drop trajectories sampled more than this many versions ago
     queue_capacity: int = 64  # async: finished trajectories waiting for the trainer

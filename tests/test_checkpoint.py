@@ -4,7 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from sao_jax.checkpoint import Checkpointer
+from sao_jax.checkpoint import Checkpointer, checkpoint_path
+from sao_jax.config import load_config
+from sao_jax.train.loop import checkpoint_dir
 
 
 def make_state(seed):
@@ -52,3 +54,20 @@ def test_corrupted_latest_step_falls_back_to_the_previous(tmp_path):
 def test_no_checkpoint_gives_none(tmp_path):
     with Checkpointer(tmp_path / "empty") as ckpt:
         assert ckpt.restore_latest(abstract(make_state(0))) is None
+
+
+def test_a_cloud_storage_url_reaches_orbax_as_it_stands_and_a_local_path_absolute(tmp_path, monkeypatch):
+    url = checkpoint_path("gs://bucket/runs/a/checkpoints")
+    assert str(url) == "gs://bucket/runs/a/checkpoints"  # pathlib would give "gs:/bucket/..."
+    monkeypatch.chdir(tmp_path)
+    assert str(checkpoint_path("runs/a")) == str(tmp_path / "runs" / "a")
+
+
+def test_train_checkpoint_dir_moves_the_checkpoints_out_of_output_dir(tmp_path):
+    default = load_config(None, [f"output_dir={tmp_path / 'run'}"])
+    assert checkpoint_dir(default) == str(tmp_path / "run" / "checkpoints")
+    moved = load_config(None, [f"output_dir={tmp_path / 'run'}", "train.checkpoint_dir=gs://bucket/run/ckpt"])
+    assert checkpoint_dir(moved) == "gs://bucket/run/ckpt"
+    with Checkpointer(checkpoint_dir(load_config(None, [f"train.checkpoint_dir={tmp_path / 'elsewhere'}"]))) as ckpt:
+        ckpt.save(1, {"x": jnp.ones(2)}, {"step": 1})
+    assert (tmp_path / "elsewhere" / "1").is_dir()

@@ -328,7 +328,7 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     # Process p > 0 writes its lines apart: they must equal process 0's.
     metrics_dir = out if cluster.is_primary else out / f"process_{jax.process_index()}"
     policy_tx, critic_tx = make_optimizers(config)
-    checkpointer = Checkpointer(out / "checkpoints", keep=config.train.keep_checkpoints)
+    checkpointer = Checkpointer(checkpoint_dir(config), keep=config.train.keep_checkpoints)
 
     critic = models.Critic.from_policy(run.policy, rngs=nnx.Rngs(config.seed + _INIT))
     state, graphs = steps_lib.make_train_state(
@@ -482,6 +482,11 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
+def checkpoint_dir(config: Config) -> str:
+    """`train.checkpoint_dir`, else OUTPUT_DIR/checkpoints."""
+    return config.train.checkpoint_dir or str(Path(config.output_dir) / "checkpoints")
+
+
 def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     """Held-out evaluation of the newest readable checkpoint under `config.output_dir`."""
     run = build_run(config)
@@ -490,10 +495,10 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     state, graphs = steps_lib.make_train_state(
         run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
     )
-    with Checkpointer(Path(config.output_dir) / "checkpoints") as checkpointer:
+    with Checkpointer(checkpoint_dir(config)) as checkpointer:
         restored = checkpointer.restore_latest(abstract_state(run.cluster.place(state)))
     if restored is None:
-        raise FileNotFoundError(f"no readable checkpoint under {Path(config.output_dir) / 'checkpoints'}")
+        raise FileNotFoundError(f"no readable checkpoint under {checkpoint_dir(config)}")
     step, state, _ = restored
     return {"step": step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), policy_weights(state, graphs))}
 
