@@ -138,7 +138,7 @@ def main():
     for name, config in models.items():
         with tempfile.TemporaryDirectory() as folder:
             save_pretrained(Policy(config, rngs=nnx.Rngs(0)), folder)
-            policy = from_pretrained(folder)
+            policy = from_pretrained(folder, moe_dispatch=config.moe_dispatch)  # the folder does not carry it
             hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
         rng = np.random.default_rng(0)
         gap = logit_gap(policy, hf_model, rng.integers(3, config.vocab_size, prompt_len).astype(np.int32))
