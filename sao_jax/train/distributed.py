@@ -168,19 +168,20 @@ class Cluster:
         local_mesh, transfer_mesh = self._rollout_meshes
         leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
         values = [leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf for leaf in leaves]
-        is_key = [jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) for v in values]
-        values = [jax.random.key_data(v) if key else v for v, key in zip(values, is_key)]
+        key_impls = [jax.random.key_impl(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else None
+                     for v in values]  # fmt: skip
+        values = [v if impl is None else jax.random.key_data(v) for v, impl in zip(values, key_impls)]
         specs = [_divisible_spec(v.shape, sharding.logical_to_spec(leaf.get_metadata().get("out_sharding") or (),
                                                                    sharding.DEFAULT_RULES), local_mesh)
                  if isinstance(leaf, nnx.Variable) else PartitionSpec() for leaf, v in zip(leaves, values)]  # fmt: skip
         gathered = jax.jit(_identity, out_shardings=[NamedSharding(transfer_mesh, spec) for spec in specs])(values)
         local_devices = list(local_mesh.devices.flat)
         out = []
-        for leaf, x, spec, key in zip(leaves, gathered, specs, is_key):
+        for leaf, x, spec, impl in zip(leaves, gathered, specs, key_impls):
             shards = {shard.device: shard.data for shard in x.addressable_shards}
             x = jax.make_array_from_single_device_arrays(x.shape, NamedSharding(local_mesh, spec),
                                                          [shards[d] for d in local_devices])  # fmt: skip
-            x = jax.random.wrap_key_data(x) if key else x
+            x = x if impl is None else jax.random.wrap_key_data(x, impl=impl)
             out.append(leaf.replace(x) if isinstance(leaf, nnx.Variable) else x)
         return jax.tree.unflatten(treedef, out)
 

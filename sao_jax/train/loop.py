@@ -403,9 +403,8 @@ class StreamingBatches:
     With P processes each runs its own engine on its own devices, with a local replica of the
     weights (`Cluster.local_replica`), over its own prompt stream (its i-th prompt is draw i·P + p
     of the pool), and contributes `batch_size / P` trajectories a step; the blocks are exchanged in
-    process order,
-    so every process trains on the same batch, and the engines' counters are summed (the trainer's
-    idle fraction averaged), so every process logs the same metrics. Only the trainer thread talks to
+    process order, so every process trains on the same batch, and the engines' counters are summed
+    (the trainer's idle fraction averaged), so every process logs the same metrics. Only the trainer thread talks to
     the other processes, once a step; the engines' threads run local computations only.
     """
 
