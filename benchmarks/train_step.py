@@ -4,6 +4,7 @@ actor and critic updates on a model of the same size and batch.
 
     python benchmarks/train_step.py                    # d_model 512 MoE, 16×256, float32, + Tunix (CPU)
     python benchmarks/train_step.py --quick            # tiny shapes, a smoke test
+    python benchmarks/train_step.py --preset d512-dense  # the same with dense MLPs (Tunix's exact twin)
     python benchmarks/train_step.py --preset moe_1b --dispatch sorted --batch 16 --seq 1024 --remat --no-tunix
                                                        # ~1B-parameter MoE in bfloat16, for accelerators
 
@@ -45,7 +46,7 @@ import numpy as np
 from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import active_matmul_params, bench_moe, interleaved_median_seconds, moe_1b  # noqa: E402
+from model import active_matmul_params, bench_moe, interleaved_median_seconds, matmul_peak, moe_1b  # noqa: E402
 
 from sao_jax.config import Config  # noqa: E402
 from sao_jax.models import Critic, ModelConfig, Policy, param_count  # noqa: E402
@@ -54,7 +55,13 @@ from sao_jax.rollout.trajectory import TrajectoryBatch  # noqa: E402
 from sao_jax.train import steps as steps_lib  # noqa: E402
 
 
-PRESETS = {"d512": lambda quick: bench_moe(quick), "moe_1b": lambda quick: moe_1b()}
+PRESETS = {
+    "d512": lambda quick: bench_moe(quick),
+    # every layer a dense SwiGLU as wide as the two active experts: Tunix's twin exactly, so the
+    # per-FLOP rows compare the frameworks without the MoE dispatch
+    "d512-dense": lambda quick: (c := bench_moe(quick)).replace(dense_layers=tuple(range(c.num_layers))),
+    "moe_1b": lambda quick: moe_1b(),
+}
 
 
 def synthetic_batch(config: ModelConfig, batch: int, seq: int, seed: int = 0) -> TrajectoryBatch:
@@ -97,13 +104,6 @@ def update_flops(config: ModelConfig, batch: int, seq: int, k: int) -> dict[str,
     value = tokens * 3 * critic_forward
     policy = tokens * (critic_forward + 3 * policy_forward)
     return {"value": value, "policy": policy, "ttur": k * value + policy}
-
-
-def matmul_peak(n: int, dtype):
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    dot = jax.jit(jnp.dot)
-    return (lambda: dot(a, b)), 2 * n**3
 
 
 def sao_calls(model_config: ModelConfig, batch: TrajectoryBatch, config: Config, *, frozen_only: bool = False) -> dict:
@@ -169,6 +169,10 @@ def main(argv=None) -> None:
 
     model_config = PRESETS[args.preset](args.quick).replace(moe_dispatch=args.dispatch, remat=args.remat)
     config = Config()
+    if not model_config.num_experts or len(model_config.dense_layers) == model_config.num_layers:
+        # no MoE projections to train: the frozen-attention critic trains its dense MLPs instead
+        patterns = (r"(.*/)?mlp/(gate_proj|up_proj|down_proj)", r"(.*/)?value_head/.*")
+        config = dataclasses.replace(config, critic=dataclasses.replace(config.critic, trainable_patterns=patterns))
     k = config.critic.updates_per_policy_update
     batch = synthetic_batch(model_config, args.batch, args.seq)
     flops = update_flops(model_config, args.batch, args.seq, k)

@@ -38,7 +38,7 @@ FROZEN = "frozen"
 # alternation covers the three MoE parts so the preset also fits models without shared experts
 # (Qwen3-MoE) under the every-pattern-must-match rule. (ours) Dense-FFN layers (`mlp/gate_proj` etc.,
 # e.g. GLM's first dense layers) are NOT trained: §3.2 names only the MoE projections; add
-# r"(.*/)?mlp/(gate_proj|up_proj|down_proj)/.*" to train them too.
+# r"(.*/)?mlp/(gate_proj|up_proj|down_proj)" to train them too.
 CRITIC_FROZEN_ATTENTION_TRAINABLE: tuple[str, ...] = (
     r"(.*/)?mlp/(router|experts|shared_experts)/.*",
     r"(.*/)?value_head/.*",

@@ -29,6 +29,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from sao_jax import models
+from sao_jax.models import sharding
 from sao_jax.advantages import unassigned_reward
 from sao_jax.checkpoint import Checkpointer, abstract_state
 from sao_jax.config import Config, to_dict
@@ -118,7 +119,12 @@ def build_run(config: Config) -> Run:
     else:
         tokenizer, chat_format = CharTokenizer(), None
         preset = getattr(models, model.preset)
-        policy = models.Policy(preset(vocab_size=tokenizer.vocab_size, **overrides), rngs=nnx.Rngs(config.seed))
+
+        def make_policy():
+            return models.Policy(preset(vocab_size=tokenizer.vocab_size, **overrides), rngs=nnx.Rngs(config.seed))
+
+        # On a mesh each device draws only its own shards: no host ever holds the whole model.
+        policy = make_policy() if cluster.mesh is None else sharding.sharded_init(make_policy, cluster.mesh)
     length = config.rollout.max_total_tokens
     buckets = tuple(sorted({max(16, length // 2), length}))
     return Run(config, tokenizer, env_cls, env_options(config), train_prompts, eval_prompts, policy, buckets, cluster,

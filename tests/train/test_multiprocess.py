@@ -14,8 +14,10 @@ import pytest
 from flax import nnx
 
 from sao_jax.cli import main
+from sao_jax.config import load_config
 from sao_jax.models import Policy, sharding, tiny_qwen3_moe
 from sao_jax.train.distributed import Cluster, process_block
+from sao_jax.train.loop import build_run
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -162,6 +164,24 @@ def test_the_samplers_replica_is_whole_and_spread_over_the_local_devices():
     assert q.sharding.mesh.devices.size == 4
     assert {shard.data.shape for shard in q.addressable_shards} == {(32, 1, 8)}
     assert {shard.data.shape for shard in k.addressable_shards} == {(32, 2, 8)}
+
+
+def test_a_preset_policy_on_a_mesh_is_drawn_in_shards_equal_to_the_host_build():
+    """`build_run` with an explicit 8-device mesh draws each parameter in its shards on the devices
+    (`sharding.sharded_init`) rather than on the host: the 1-device build's numbers, up to the last bit
+    of a scaled normal sample (jit vs eager rounding; the sharded steps' sums differ as much)."""
+    overrides = ["model.preset=tiny_qwen3_moe", "env.train_prompts=4", "env.eval_prompts=4"]
+    host = nnx.to_flat_state(nnx.state(build_run(load_config(None, overrides)).policy))
+    run = build_run(load_config(None, [*overrides, "mesh.fsdp=8"]))
+    assert run.cluster.mesh is not None
+    sharded = dict(nnx.to_flat_state(nnx.state(run.policy)))
+    for path, variable in host:
+        value = sharded[path].get_value()
+        np.testing.assert_allclose(value, variable.get_value(), rtol=1e-6, atol=1e-9, err_msg=str(path))
+        assert value.sharding.mesh.devices.size == 8, path
+    embedding = sharded[("embed", "embedding")].get_value()  # [vocab, embed]: embed over fsdp
+    assert len({shard.data.shape for shard in embedding.addressable_shards}) == 1
+    assert embedding.addressable_shards[0].data.size * 8 == embedding.size
 
 
 def test_process_blocks_cover_the_prompts_in_order():
