@@ -10,7 +10,7 @@ from sao_jax.models.config import (
     tiny_glm4_moe,
     tiny_qwen3_moe,
 )
-from sao_jax.models.decoder import Critic, Decoder, Policy
+from sao_jax.models.decoder import Critic, Decoder, Policy, compute_dtype_weights
 from sao_jax.models.hf import CheckpointError, from_pretrained, hf_tensor_specs, save_pretrained
 from sao_jax.models.layers import KVCache
 
@@ -22,6 +22,7 @@ __all__ = [
     "ModelConfig",
     "ModelConfigError",
     "Policy",
+    "compute_dtype_weights",
     "cpu_moe",
     "from_pretrained",
     "glm45_air",

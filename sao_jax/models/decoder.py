@@ -21,6 +21,9 @@ does not shift positions. For a KV-cache forward, see `KVCache`: prefill a padde
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -218,3 +221,26 @@ class Critic(Decoder):
 
     def __call__(self, input_ids, positions=None, attention_mask=None) -> jax.Array:
         return self.forward(input_ids, positions, attention_mask)[0]
+
+
+# The parameters a forward casts to `config.compute_dtype` before using them: projections and their
+# biases, experts, dense MLPs, the embedding table (rows cast after the lookup) and the LM head. Norm
+# scales, the router and GLM's correction bias are read in float32 and are not listed.
+_CAST_ON_USE = re.compile(r"(.*/)?(embed/embedding|lm_head/kernel|attn/[qkvo]_proj/(kernel|bias)|(gate|up|down)_proj)")
+
+
+def compute_dtype_weights(state: Any, config: ModelConfig) -> Any:
+    """A model's NNX state with each parameter that the forward casts to `config.compute_dtype` stored
+    in that dtype already (`_CAST_ON_USE`); every other variable as it was. The forward from it is
+    the same, bit for bit: rounding once here or at each use gives the same values. With float32
+    masters and bfloat16 compute that halves the bytes a sampler holds, moves and reads. Variables
+    that need no cast are kept, not copied."""
+    dtype = jnp.dtype(config.compute_dtype)
+
+    def cast(path: tuple, variable: nnx.Variable) -> nnx.Variable:
+        value = variable.get_value()
+        if value.dtype == dtype or not _CAST_ON_USE.fullmatch("/".join(map(str, path))):
+            return variable
+        return variable.replace(value.astype(dtype))
+
+    return nnx.from_flat_state([(path, cast(path, variable)) for path, variable in nnx.to_flat_state(state)])

@@ -8,7 +8,8 @@ Every process runs the same program on the same config; what differs is which de
     batches       the whole collated batch on every process; its rows split over (data, fsdp)
     rollouts      a list of n prompts is cut into contiguous blocks, one per process:
                   process p rolls out prompts [⌊p·n/P⌋, ⌊(p+1)·n/P⌋) on its own devices, with a local
-                  replica of the policy weights spread over them (`Cluster.local_replica`), prompt i
+                  replica of the policy weights spread over them (`Cluster.local_replica`; those
+                  the forward computes in bfloat16 stored so: `compute_dtype_weights`), prompt i
                   with key fold_in(key, i) (i global);
                   the trajectories are then exchanged, so every process holds all n, in prompt order,
                   and computes the same host-side metrics as one process rolling out all n
@@ -43,7 +44,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sao_jax.config import Config
-from sao_jax.models import sharding
+from sao_jax.models import compute_dtype_weights, sharding
 from sao_jax.rollout import agent_loop as agent_loop_lib
 from sao_jax.rollout.trajectory import Trajectory, TrajectoryBatch
 
@@ -239,6 +240,7 @@ class ProcessRollouts:
         params, version = weights
         prompts = list(prompts)
         mine = process_block(len(prompts), jax.process_index(), jax.process_count())
-        local = (self.cluster.local_replica(params), version)
+        # Stored in the compute dtype before the gather: the same rollouts from half the bytes in bf16.
+        local = (self.cluster.local_replica(compute_dtype_weights(params, self.loop.sampler.config)), version)
         trajectories = self.loop.rollout(local, [prompts[i] for i in mine], key, first_index=mine.start)
         return self.cluster.all_gather(trajectories)

@@ -438,7 +438,9 @@ class StreamingBatches:
 
     def _local(self, weights):
         """The trainer's weights for this process's sampler: a copy (the next step donates the state's
-        buffers), gathered whole onto this process's devices when the state lives on a mesh."""
+        buffers), gathered whole onto this process's devices when the state lives on a mesh, with the
+        weights the forward computes in bfloat16 stored so (`models.compute_dtype_weights`)."""
+        weights = models.compute_dtype_weights(weights, self.run.policy.config)
         return _copy(weights) if self.cluster.mesh is None else self.cluster.local_replica(weights)
 
     def pool_index(self, prompt_index: int) -> int:
