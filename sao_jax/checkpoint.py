@@ -17,6 +17,7 @@ Orbax writes directly (`etils.epath`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,11 @@ def checkpoint_path(directory: str | Path) -> epath.Path:
 class Checkpointer:
     """Save and restore `(state pytree, host dict)` pairs by step under `directory`."""
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
+                 after_save: Callable[[], object] | None = None):  # fmt: skip
+        """`after_save`: called once each save has started (the trainer pushes its other files then)."""
         self.directory = checkpoint_path(directory)
+        self._after_save = after_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
@@ -55,6 +59,8 @@ class Checkpointer:
             int(step),
             args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
         )
+        if self._after_save is not None:
+            self._after_save()
 
     def wait(self) -> None:
         self._manager.wait_until_finished()

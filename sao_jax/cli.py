@@ -12,11 +12,11 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
 import numpy as np
 
 from sao_jax.config import ConfigError, load_config
+from sao_jax.outputs import join
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None):
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
     summary = train(config, resume=args.resume)
     print(json.dumps(summary, indent=2))
-    print(f"metrics: {Path(config.output_dir) / 'metrics.jsonl'}   plots: {Path(config.output_dir) / 'plots'}")
+    print(f"metrics: {join(config.output_dir, 'metrics.jsonl')}   plots: {join(config.output_dir, 'plots')}")
     return 0
 
 

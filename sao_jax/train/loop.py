@@ -39,6 +39,7 @@ from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import Prompt, environment_class
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
+from sao_jax.outputs import OutputMirror, is_url, join
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
@@ -325,7 +326,9 @@ def make_optimizers(config: Config):
 def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     """Run the whole job; returns the final summary (also written to OUTDIR/summary.json). Run as
     several processes, each process does its part (`sao_jax.train.distributed`)."""
-    out = Path(config.output_dir)
+    # A URL output_dir is written through a local mirror, pushed after each checkpoint (sao_jax.outputs).
+    mirror = OutputMirror.fresh(config.output_dir, jax.process_index()) if is_url(config.output_dir) else None
+    out = Path(config.output_dir) if mirror is None else mirror.local
     out.mkdir(parents=True, exist_ok=True)
     run = build_run(config)
     cluster = run.cluster
@@ -334,7 +337,8 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     # Process p > 0 writes its lines apart: they must equal process 0's.
     metrics_dir = out if cluster.is_primary else out / f"process_{jax.process_index()}"
     policy_tx, critic_tx = make_optimizers(config)
-    checkpointer = Checkpointer(checkpoint_dir(config), keep=config.train.keep_checkpoints)
+    checkpointer = Checkpointer(checkpoint_dir(config), keep=config.train.keep_checkpoints,
+                                after_save=None if mirror is None else mirror.push)  # fmt: skip
 
     critic = models.Critic.from_policy(run.policy, rngs=nnx.Rngs(config.seed + _INIT))
     state, graphs = steps_lib.make_train_state(
@@ -347,6 +351,8 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     restored = checkpointer.restore_latest(abstract_state(state)) if resume else None
     if restored is not None:
         start_step, state, host = restored
+        if mirror is not None:  # this machine's mirror may be new (a recreated slice): fetch the lines so far
+            mirror.pull(metrics_dir / "metrics.jsonl")
         truncate_after(metrics_dir / "metrics.jsonl", start_step)
         log.info("resumed from step %d", start_step)
     else:
@@ -370,6 +376,8 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     if cluster.is_primary:
         plot_run(out)
         (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    if mirror is not None:
+        mirror.push()
     return summary
 
 
@@ -491,7 +499,7 @@ def _copy(tree):
 
 def checkpoint_dir(config: Config) -> str:
     """`train.checkpoint_dir`, else OUTPUT_DIR/checkpoints."""
-    return config.train.checkpoint_dir or str(Path(config.output_dir) / "checkpoints")
+    return config.train.checkpoint_dir or join(config.output_dir, "checkpoints")
 
 
 def evaluate_checkpoint(config: Config) -> dict[str, Any]:

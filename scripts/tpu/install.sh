@@ -12,7 +12,8 @@ usage: scripts/tpu/install.sh [--mount] [--model gs://BUCKET/PATH/TO/HF_FOLDER]
 
 On every worker of $TPU_NAME (--worker=all):
   1. unpack the committed tree of this repository (git archive HEAD) into $REMOTE_DIR
-  2. create $REMOTE_VENV with Python $PYTHON_VERSION (uv) and pip install -e the repo + jax[tpu]==$JAX_VERSION
+  2. create $REMOTE_VENV with Python $PYTHON_VERSION (uv) and pip install -e the repo (with gcsfs, for
+     gs:// output_dir) + jax[tpu]==$JAX_VERSION
   --mount   install Cloud Storage FUSE and mount $BUCKET at $MOUNT_POINT (output_dir, prompt files)
   --model   copy a Hugging Face model folder from GCS to ~/models/<name> on each worker's disk
 Safe to run again (after a code change, or on a recreated slice).
@@ -48,7 +49,7 @@ tar -xzf /tmp/sao_jax.tar.gz -C $REMOTE_DIR
 python3 -m pip install --user --quiet --upgrade uv || python3 -m pip install --user --quiet --upgrade --break-system-packages uv
 export PATH=\$HOME/.local/bin:\$PATH
 [[ -x $REMOTE_VENV/bin/python ]] || uv venv --python $PYTHON_VERSION $REMOTE_VENV
-uv pip install --python $REMOTE_VENV/bin/python -e $REMOTE_DIR 'jax[tpu]==$JAX_VERSION'
+uv pip install --python $REMOTE_VENV/bin/python -e '$REMOTE_DIR[gcs]' 'jax[tpu]==$JAX_VERSION'
 $REMOTE_VENV/bin/python -c 'import jax; print(jax.process_index(), \"local devices:\", jax.local_devices())'
 "
 

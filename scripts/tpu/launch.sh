@@ -23,7 +23,8 @@ Runs on all $(num_hosts) hosts of $TPU_NAME:  sao-train --distributed --config \
                   on each host and, streamed, to logs/tpu/<name>/attempt-<n>.log here
   --output-dir    where checkpoints, metrics.jsonl, tensorboard/ and plots/ go; must be the same
                   path on every host (default $MOUNT_POINT/runs/<name>: the bucket mounted by
-                  install.sh --mount, i.e. $BUCKET/runs/<name>)
+                  install.sh --mount, i.e. $BUCKET/runs/<name>), or a gs:// URL, which needs no
+                  mount (files go through a local mirror, pushed at each checkpoint)
   --max-restarts  relaunches after a failure before giving up (default $MAX_RESTARTS)
 --resume is always passed: with no checkpoint in output_dir the run starts from the beginning.
 After a failure: a slice that is no longer READY (preempted) is recreated (create.sh --recreate)

@@ -52,6 +52,4 @@ def test_casting_every_float_parameter_would_change_the_forward(model):
 def test_float32_compute_keeps_the_masters():
     config = tiny_qwen3_moe()
     state = nnx.state(Policy(config, rngs=nnx.Rngs(0)))
-    cast = compute_dtype_weights(state, config)
-    for (_, before), (_, after) in zip(nnx.to_flat_state(state), nnx.to_flat_state(cast)):
-        assert after is before
+    assert compute_dtype_weights(state, config) is state

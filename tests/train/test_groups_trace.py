@@ -129,7 +129,8 @@ def fake_run(group_size, batch_size, pool_size=10, **more):
     config = load_config(None, [f"advantage.group_size={group_size}", f"train.batch_size={batch_size}",
                                 *(f"{k}={v}" for k, v in more.items())])  # fmt: skip
     pool = [types.SimpleNamespace(id=i) for i in range(pool_size)]
-    return types.SimpleNamespace(config=config, train_prompts=pool, cluster=Cluster())
+    policy = types.SimpleNamespace(config=tiny_qwen3_moe())  # the sampler's copy keeps float32 weights
+    return types.SimpleNamespace(config=config, train_prompts=pool, cluster=Cluster(), policy=policy)
 
 
 def test_lockstep_batches_roll_out_whole_groups_and_drop_a_group_with_a_failure():
