@@ -17,10 +17,10 @@ Every process runs the same program on the same config; what differs is which de
                   process p > 0 writes its own metric lines to OUTDIR/process_<p>/metrics.jsonl (to
                   check the hosts agree); Orbax checkpoints are written by all processes together
 
-One process with several devices (a multi-chip host) takes the same path with P = 1 (the state on
-the mesh, rollouts on its devices) when `config.mesh` gives every axis size explicitly (no -1:
-e.g. `mesh.fsdp=8`) and they cover more than one device. Otherwise one process trains on its first
-device and every placement is the identity.
+One process with several accelerator chips (a single TPU VM or GPU host) takes the same path with
+P = 1 (the state on the mesh, rollouts on its chips). Several CPU devices do so only when
+`config.mesh` gives every axis size explicitly (no -1: e.g. `mesh.fsdp=8`); otherwise one process
+trains on its first device and every placement is the identity.
 
 `train.mode: async` with P processes (`loop.StreamingBatches`): each process streams its own
 rollouts on its own devices, and the trainer thread, which alone issues computations over the mesh,
@@ -79,13 +79,16 @@ class Cluster:
 
     @classmethod
     def for_config(cls, config: Config) -> Cluster:
-        """The global mesh of `config.mesh` when there are several processes, or for one process whose
-        mesh sizes are all explicit and span several devices; else no mesh."""
+        """The global mesh of `config.mesh` when there are several processes, one process drives
+        several accelerator chips (a single TPU VM or GPU host), or one process's mesh sizes are all
+        explicit and span several devices; else no mesh. Several CPU devices (the fake devices of
+        tests: one CPU device already uses every core) need the explicit sizes."""
         sizes = config.mesh.shape().values()
         explicit = -1 not in sizes and np.prod(list(sizes)) > 1
-        if jax.process_count() == 1 and not explicit:
+        several_chips = jax.device_count() > 1 and jax.default_backend() != "cpu"
+        if jax.process_count() == 1 and not explicit and not several_chips:
             if jax.device_count() > 1:
-                log.info("one process, %d devices: training on the first (a run uses them all when the "
+                log.info("one process, %d CPU devices: training on the first (a run uses them all when the "
                          "mesh sizes are given, e.g. mesh.fsdp=%d)", jax.device_count(), jax.device_count())
             return cls()
         if config.mesh.rollout_devices:

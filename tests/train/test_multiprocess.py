@@ -150,6 +150,17 @@ def test_two_processes_stream_rollouts_asynchronously_and_log_identical_metrics(
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1, 2]
 
 
+def test_one_process_uses_all_its_accelerator_chips_but_not_its_fake_cpu_devices(monkeypatch):
+    """The default mesh (fsdp: -1) spans every chip of a single TPU VM or GPU host; the 8 fake CPU
+    devices of the tests train on the first unless the sizes are given."""
+    config = load_config(None, ["train.batch_size=8"])
+    assert Cluster.for_config(config).mesh is None
+    assert Cluster.for_config(load_config(None, ["train.batch_size=8", "mesh.fsdp=8"])).mesh.shape["fsdp"] == 8
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    mesh = Cluster.for_config(config).mesh
+    assert dict(mesh.shape) == {"data": 1, "fsdp": 8, "expert": 1, "tensor": 1}
+
+
 def test_the_samplers_replica_is_whole_and_spread_over_the_local_devices():
     """One process, 4 devices: every weight equal to the trained one; q heads (4) split over the
     4 devices, kv heads (2) whole on each, nothing sharded over the train mesh's fsdp."""
