@@ -234,9 +234,10 @@ def compute_dtype_weights(state: Any, config: ModelConfig) -> Any:
     in that dtype already (`_CAST_ON_USE`); every other variable as it was. The forward from it is
     the same, bit for bit: rounding once here or at each use gives the same values. With float32
     masters and bfloat16 compute that halves the bytes a sampler holds, moves and reads. Variables
-    that need no cast are kept, not copied; with no dtype to change, `state` itself is returned."""
+    that need no cast are kept, not copied; when the compute dtype is not narrower than the storage
+    dtype (nothing to save), `state` itself is returned."""
     dtype = jnp.dtype(config.compute_dtype)
-    if dtype == jnp.dtype(config.weight_dtype):
+    if dtype.itemsize >= jnp.dtype(config.weight_dtype).itemsize:
         return state
 
     def cast(path: tuple, variable: nnx.Variable) -> nnx.Variable:

@@ -29,7 +29,6 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from sao_jax import models
-from sao_jax.models import sharding
 from sao_jax.advantages import unassigned_reward
 from sao_jax.checkpoint import Checkpointer, abstract_state
 from sao_jax.config import Config, to_dict
@@ -38,6 +37,7 @@ from sao_jax.data.datasets import read_prompts
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import Prompt, environment_class
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
+from sao_jax.models import sharding
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
 from sao_jax.outputs import OutputMirror, is_url, join
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig

@@ -49,7 +49,9 @@ def test_casting_every_float_parameter_would_change_the_forward(model):
     assert not np.array_equal(forward(graphdef, everything, input_ids, mask), forward(graphdef, state, input_ids, mask))
 
 
-def test_float32_compute_keeps_the_masters():
-    config = tiny_qwen3_moe()
+@pytest.mark.parametrize("dtype, param_dtype", [("float32", "float32"), ("float32", "bfloat16"),
+                                                ("bfloat16", "bfloat16")])  # fmt: skip
+def test_weights_are_never_widened_or_copied_for_nothing(dtype, param_dtype):
+    config = tiny_qwen3_moe(dtype=dtype, param_dtype=param_dtype)
     state = nnx.state(Policy(config, rngs=nnx.Rngs(0)))
     assert compute_dtype_weights(state, config) is state
