@@ -25,6 +25,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from sao_jax.outputs import is_url
+
 log = logging.getLogger(__name__)
 
 
@@ -37,7 +39,7 @@ def abstract_state(state: Any) -> Any:
 def checkpoint_path(directory: str | Path) -> epath.Path:
     """`directory` as Orbax takes it: a URL (`gs://…`) as it stands, a local path made absolute."""
     path = epath.Path(directory)
-    return path if "://" in str(directory) else path.absolute()
+    return path if is_url(directory) else path.absolute()
 
 
 class Checkpointer:
