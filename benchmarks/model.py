@@ -42,7 +42,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from sao_jax import optim

@@ -242,8 +242,9 @@ class TrainConfig:
 class MeshConfig:
     """The device mesh (axes of `sao_jax.models.sharding`); one axis may be -1 = the remaining devices.
 
-    With `rollout_devices` > 0 (async mode) that many devices are split off for the sampler's own
-    sub-mesh and the trainer's mesh is built from the rest.
+    With `rollout_devices` = r > 0 every process keeps its first r devices for its sampler and the
+    mesh is built from the rest of every process's devices (`train.distributed.Cluster`): in async mode
+    sampling and training then run at once on separate chips.
     """
 
     data: int = 1

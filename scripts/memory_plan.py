@@ -462,7 +462,7 @@ def to_markdown(p: dict[str, Any]) -> str:
         f"**{p['model']}** on {p['chips']} {p['chip']['name']} chips — {mode}. "
         f"Weights {prec['weights']}{' + f32 master' if prec['master_f32'] else ''}, compute {prec['compute']}.",
         "",
-        f"| per chip, GiB | policy | critic (frozen attention) | critic (all trainable) |",
+        "| per chip, GiB | policy | critic (frozen attention) | critic (all trainable) |",
         "|---|---:|---:|---:|",
         f"| parameters (count, whole model) | {pol['params'] / 1e9:.2f} B | {cri['params'] / 1e9:.2f} B | {cri['params'] / 1e9:.2f} B |",
         f"| trainable parameters (count) | {pol['trainable_params'] / 1e9:.2f} B | {cri['trainable_params'] / 1e9:.2f} B | "

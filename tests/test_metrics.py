@@ -3,7 +3,6 @@
 import json
 
 import numpy as np
-import pytest
 
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 

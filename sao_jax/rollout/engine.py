@@ -14,7 +14,6 @@ Pieces
                      completion order.
 `SyncRolloutEngine`  the same consumer API without threads: rollouts run inside `get_batch`, in prompt
                      order, so a run is bit-reproducible.
-`split_devices`      rollout / train device lists, so the sampler can have its own sub-mesh.
 
 The rollout function (injected; the trainer wires the agent loop in)
 --------------------------------------------------------------------
@@ -81,7 +80,7 @@ import logging
 import numbers
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -619,29 +618,3 @@ class SyncRolloutEngine(_EngineBase):
         if self._ledger.stopped_s is None:
             self._ledger.stopped_s = time.monotonic()
         return self.state()
-
-
-def split_devices(
-    devices: Sequence[Any] | None = None, *, num_rollout_devices: int | None = None
-) -> tuple[list[Any], list[Any]]:
-    """Split devices into (rollout_devices, train_devices), so the sampler can run on its own sub-mesh.
-
-    `devices` defaults to `jax.devices()`. With one device both lists hold it (rollout and training
-    share it). With d > 1 devices, taken in the given order, the first `num_rollout_devices`
-    (default d // 2) are for rollout and the rest for training; the two lists are disjoint and
-    together hold every device. Build each side's mesh from its list.
-    """
-    devices = list(jax.devices() if devices is None else devices)
-    if not devices:
-        raise ValueError("split_devices: no devices given")
-    if len(devices) == 1:
-        if num_rollout_devices not in (None, 1):
-            raise ValueError(f"split_devices: num_rollout_devices={num_rollout_devices} but there is 1 device")
-        return devices, devices
-    count = len(devices) // 2 if num_rollout_devices is None else num_rollout_devices
-    if not 1 <= count < len(devices):
-        raise ValueError(
-            f"split_devices: num_rollout_devices must be in [1, {len(devices) - 1}] for {len(devices)} devices "
-            f"(got {num_rollout_devices}) — training needs at least one device of its own"
-        )
-    return devices[:count], devices[count:]

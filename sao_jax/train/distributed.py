@@ -7,8 +7,9 @@ Every process runs the same program on the same config; what differs is which de
                   the jitted steps run SPMD over it (`Cluster.step`)
     batches       the whole collated batch on every process; its rows split over (data, fsdp)
     rollouts      a list of n prompts is cut into contiguous blocks, one per process:
-                  process p rolls out prompts [⌊p·n/P⌋, ⌊(p+1)·n/P⌋) on its own devices, with a local
-                  replica of the policy weights spread over them (`Cluster.local_replica`; those
+                  process p rolls out prompts [⌊p·n/P⌋, ⌊(p+1)·n/P⌋) on its own devices (those it keeps
+                  for rollouts, `mesh.rollout_devices`, else its train devices), with a local replica
+                  of the policy weights spread over them (`Cluster.local_replica`; those
                   the forward computes in bfloat16 stored so: `compute_dtype_weights`), prompt i
                   with key fold_in(key, i) (i global);
                   the trajectories are then exchanged, so every process holds all n, in prompt order,
@@ -62,6 +63,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     sharding.initialize_distributed(coordinator_address, num_processes, process_id)
 
 
+# Whole weights gathered per step of the copy to split-off rollout devices (`Cluster.local_replica`).
+TRANSFER_GROUP_BYTES = 1 << 30
+
+
 def _identity(tree: Any) -> Any:  # one function object, so its jitted copies share one compiled program
     return tree
 
@@ -73,28 +78,41 @@ def process_block(n: int, process: int, num_processes: int) -> range:
 
 @dataclasses.dataclass(frozen=True)
 class Cluster:
-    """How this process takes part in the run; `mesh` is None for a single process (all identities)."""
+    """How this process takes part in the run; `mesh` is None for a single process (all identities).
+
+    `rollout_devices`: this process's devices kept for sampling (`mesh.rollout_devices` > 0), which the
+    train mesh leaves out; empty when the sampler shares this process's train devices.
+    """
 
     mesh: Mesh | None = None
+    rollout_devices: tuple = ()
 
     @classmethod
     def for_config(cls, config: Config) -> Cluster:
         """The global mesh of `config.mesh` when there are several processes, one process drives
-        several accelerator chips (a single TPU VM or GPU host), or one process's mesh sizes are all
-        explicit and span several devices; else no mesh. Several CPU devices (the fake devices of
-        tests: one CPU device already uses every core) need the explicit sizes."""
+        several accelerator chips (a single TPU VM or GPU host), one process's mesh sizes are all
+        explicit and span several devices, or devices are split off for rollouts; else no mesh.
+        Several CPU devices (the fake devices of tests: one CPU device already uses every core) need
+        the explicit sizes.
+
+        With `mesh.rollout_devices` = r > 0 every process keeps its first r devices for its sampler
+        and the train mesh is built from the others of every process (the per-host split of
+        docs/scaling.md, "Rollout and train meshes")."""
         sizes = config.mesh.shape().values()
         explicit = -1 not in sizes and np.prod(list(sizes)) > 1
         several_chips = jax.device_count() > 1 and jax.default_backend() != "cpu"
-        if jax.process_count() == 1 and not explicit and not several_chips:
+        split = config.mesh.rollout_devices
+        if jax.process_count() == 1 and not explicit and not several_chips and not split:
             if jax.device_count() > 1:
                 log.info("one process, %d CPU devices: training on the first (a run uses them all when the "
                          "mesh sizes are given, e.g. mesh.fsdp=%d)", jax.device_count(), jax.device_count())
             return cls()
-        if config.mesh.rollout_devices:
-            raise ValueError(f"mesh.rollout_devices={config.mesh.rollout_devices} is not supported with several "
-                             "processes (rollouts time-share the train mesh); set it to 0")
-        mesh = sharding.make_mesh(config.mesh.shape())
+        by_process = _devices_by_process(jax.devices())
+        local = by_process[jax.process_index()]
+        if split >= len(local):
+            raise ValueError(f"mesh.rollout_devices={split} must be less than the {len(local)} devices of each "
+                             "process: the others train")  # fmt: skip
+        mesh = sharding.make_mesh(config.mesh.shape(), devices=[d for row in by_process for d in row[split:]])
         rows = mesh.shape["data"] * mesh.shape["fsdp"]
         batches = [("train.batch_size", config.train.batch_size)]
         batches += [("sft.batch_size", config.sft.batch_size)] if config.sft.steps else []
@@ -102,9 +120,10 @@ class Cluster:
             if size % rows:
                 raise ValueError(f"{key}={size} must be a multiple of mesh data x fsdp = {rows}: "
                                  "the batch's rows are split over them")
-        log.info("process %d of %d: train state on the mesh %s", jax.process_index(), jax.process_count(),
-                 " ".join(f"{axis}={size}" for axis, size in mesh.shape.items()))
-        return cls(mesh)
+        log.info("process %d of %d: train state on the mesh %s%s", jax.process_index(), jax.process_count(),
+                 " ".join(f"{axis}={size}" for axis, size in mesh.shape.items()),
+                 f"; rollouts on {split} other device(s) of each process" if split else "")  # fmt: skip
+        return cls(mesh, tuple(local[:split]))
 
     @property
     def is_primary(self) -> bool:
@@ -156,53 +175,66 @@ class Cluster:
         return placed
 
     def local_replica(self, tree: Any) -> Any:
-        """A whole copy of `tree` (arrays on the mesh) for this process's sampler, spread over its own
-        devices: each NNX Variable by its logical axes on a local mesh whose `tensor` axis is every
-        local device (heads, kv heads, MLP and vocab dimensions split; a dimension that does not divide
-        stays whole), anything else replicated.
+        """A whole copy of `tree` (arrays on the mesh) for this process's sampler, spread over its
+        rollout devices (its train devices when none are split off): each NNX Variable by its logical
+        axes on a local mesh whose `tensor` axis is all of those devices (heads, kv heads, MLP and vocab
+        dimensions split; a dimension that does not divide stays whole), anything else replicated.
 
-        First one jitted reshard over all devices, arranged [process, local device], to those
-        shardings replicated across processes: an all-gather after which every process holds a whole
-        copy, 1/L of it on each of its L chips (no chip ever holds a whole replica). Then each process
-        assembles its own shards into arrays on its local mesh, where its sampler runs computations no
-        other process takes part in.
+        First a jitted reshard over the train devices, arranged [process, local train device], to
+        those shardings replicated across processes: an all-gather after which every process holds a
+        whole copy, 1/L of it on each of its L train chips (no chip ever holds a whole replica). Then
+        each process assembles its own shards into arrays on a local mesh, where its sampler runs
+        computations no other process takes part in; with rollout devices split off, those arrays are
+        copied onto them (a copy within the process: multi-controller JAX has no `device_put` between
+        the disjoint device sets of different processes). That copy goes in groups of at most
+        `TRANSFER_GROUP_BYTES` of whole weights, the extra memory on the train chips while it lasts.
         """
         if self.mesh is None:
             return tree
-        local_mesh, transfer_mesh = self._rollout_meshes
+        train_mesh, transfer_mesh, rollout_mesh = self._rollout_meshes
         leaves, treedef = jax.tree.flatten(tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
         values = [leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf for leaf in leaves]
         key_impls = [jax.random.key_impl(v) if jax.dtypes.issubdtype(v.dtype, jax.dtypes.prng_key) else None
                      for v in values]  # fmt: skip
         values = [v if impl is None else jax.random.key_data(v) for v, impl in zip(values, key_impls)]
-        specs = [_divisible_spec(v.shape, sharding.logical_to_spec(leaf.get_metadata().get("out_sharding") or (),
-                                                                   sharding.DEFAULT_RULES), local_mesh)
-                 if isinstance(leaf, nnx.Variable) else PartitionSpec() for leaf, v in zip(leaves, values)]  # fmt: skip
-        gathered = jax.jit(_identity, out_shardings=[NamedSharding(transfer_mesh, spec) for spec in specs])(values)
-        local_devices = list(local_mesh.devices.flat)
+
+        def spec(leaf, shape, mesh):
+            if not isinstance(leaf, nnx.Variable):
+                return PartitionSpec()
+            axes = leaf.get_metadata().get("out_sharding") or ()
+            return _divisible_spec(shape, sharding.logical_to_spec(axes, sharding.DEFAULT_RULES), mesh)
+
+        specs = [spec(leaf, v.shape, train_mesh) for leaf, v in zip(leaves, values)]
+        train_devices = list(train_mesh.devices.flat)
+        replica = []
+        for group in _byte_groups(values, TRANSFER_GROUP_BYTES if self.rollout_devices else None):
+            gathered = jax.jit(_identity, out_shardings=[NamedSharding(transfer_mesh, specs[i]) for i in group])(
+                [values[i] for i in group])  # fmt: skip
+            for i, x in zip(group, gathered):
+                shards = {shard.device: shard.data for shard in x.addressable_shards}
+                x = jax.make_array_from_single_device_arrays(x.shape, NamedSharding(train_mesh, specs[i]),
+                                                             [shards[d] for d in train_devices])  # fmt: skip
+                if self.rollout_devices:
+                    x = jax.device_put(x, NamedSharding(rollout_mesh, spec(leaves[i], x.shape, rollout_mesh)))
+                replica.append(x)
         out = []
-        for leaf, x, spec, impl in zip(leaves, gathered, specs, key_impls):
-            shards = {shard.device: shard.data for shard in x.addressable_shards}
-            x = jax.make_array_from_single_device_arrays(x.shape, NamedSharding(local_mesh, spec),
-                                                         [shards[d] for d in local_devices])  # fmt: skip
+        for leaf, x, impl in zip(leaves, replica, key_impls):
             x = x if impl is None else jax.random.wrap_key_data(x, impl=impl)
             out.append(leaf.replace(x) if isinstance(leaf, nnx.Variable) else x)
         return jax.tree.unflatten(treedef, out)
 
     @functools.cached_property
-    def _rollout_meshes(self) -> tuple[Mesh, Mesh]:
-        """(this process's devices as a mesh with `tensor` = all of them; every device as a mesh
-        [process, data, fsdp, expert, tensor] whose row p holds process p's devices in that order)."""
-        by_process: dict[int, list] = {}
-        for device in sorted(self.mesh.devices.flat, key=lambda d: d.id):
-            by_process.setdefault(device.process_index, []).append(device)
-        rows = [by_process[p] for p in sorted(by_process)]
+    def _rollout_meshes(self) -> tuple[Mesh, Mesh, Mesh]:
+        """(this process's train devices as a mesh with `tensor` = all of them; every train device as a
+        mesh [process, data, fsdp, expert, tensor] whose row p holds process p's in that order; the
+        sampler's mesh: the rollout devices, or the first mesh when none are split off)."""
+        rows = _devices_by_process(self.mesh.devices.flat)
         if len({len(row) for row in rows}) != 1:
             raise ValueError(f"processes drive different numbers of devices: {[len(row) for row in rows]}")
-        local = by_process[jax.process_index()]
-        local_mesh = Mesh(np.array(local).reshape(1, 1, 1, -1), sharding.MESH_AXES)
+        local = next(row for row in rows if row[0].process_index == jax.process_index())
+        train_mesh = _tensor_mesh(local)
         transfer_mesh = Mesh(np.array(rows).reshape(len(rows), 1, 1, 1, -1), ("process", *sharding.MESH_AXES))
-        return local_mesh, transfer_mesh
+        return train_mesh, transfer_mesh, _tensor_mesh(self.rollout_devices) if self.rollout_devices else train_mesh
 
     def all_gather(self, items: Sequence[Any]) -> list[Any]:
         """Every process's `items` (picklable), concatenated in process order, on every process."""
@@ -228,6 +260,32 @@ def _divisible_spec(shape: Sequence[int], spec: PartitionSpec, mesh: Mesh) -> Pa
         split = int(np.prod([mesh.shape[name] for name in names]))
         out.append(axes if size % split == 0 else None)
     return PartitionSpec(*out)
+
+
+def _devices_by_process(devices) -> list[list[jax.Device]]:
+    """`devices` grouped by process, in process order, each group in device id order."""
+    rows: dict[int, list] = {}
+    for device in sorted(devices, key=lambda d: (d.process_index, d.id)):
+        rows.setdefault(device.process_index, []).append(device)
+    return [rows[p] for p in sorted(rows)]
+
+
+def _tensor_mesh(devices: Sequence[jax.Device]) -> Mesh:
+    """A mesh of the model axes whose `tensor` axis is all of `devices`."""
+    return Mesh(np.array(devices).reshape(1, 1, 1, -1), sharding.MESH_AXES)
+
+
+def _byte_groups(values: Sequence[jax.Array], limit: int | None) -> list[list[int]]:
+    """Indices of `values` in order, cut into runs of at most `limit` bytes (one run when None; a
+    larger value alone)."""
+    groups, size = [[]], 0
+    for i, value in enumerate(values):
+        nbytes = value.size * value.dtype.itemsize
+        if limit is not None and groups[-1] and size + nbytes > limit:
+            groups, size = [*groups, []], 0
+        groups[-1].append(i)
+        size += nbytes
+    return groups
 
 
 class ProcessRollouts:

@@ -4,7 +4,6 @@ The full forward is itself checked against transformers in test_hf_parity.py.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

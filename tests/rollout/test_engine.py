@@ -20,7 +20,6 @@ from sao_jax.rollout.engine import (
     SyncRolloutEngine,
     WeightStore,
     rollout_key,
-    split_devices,
 )
 from sao_jax.rollout.trajectory import Trajectory
 
@@ -480,18 +479,3 @@ def test_an_error_in_the_prompt_source_surfaces_in_get_batch_and_close_is_clean(
 def test_bad_engine_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutEngine(FakeRollout(), range(1), WeightStore({}, 0), jax.random.key(0), **kwargs)
-
-
-# ---- devices ---------------------------------------------------------------------------------------
-
-
-def test_split_devices_gives_disjoint_rollout_and_train_lists():
-    devices = jax.devices()
-    assert len(devices) == 8  # tests/conftest.py asks for 8 host devices
-    rollout, train = split_devices()
-    assert rollout == devices[:4] and train == devices[4:]
-    rollout, train = split_devices(devices, num_rollout_devices=1)
-    assert rollout == devices[:1] and train == devices[1:]
-    assert split_devices(devices[:1]) == (devices[:1], devices[:1])  # one device: shared
-    with pytest.raises(ValueError, match=r"num_rollout_devices must be in \[1, 7\]"):
-        split_devices(devices, num_rollout_devices=8)

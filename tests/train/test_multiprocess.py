@@ -16,6 +16,7 @@ from flax import nnx
 from sao_jax.cli import main
 from sao_jax.config import load_config
 from sao_jax.models import Policy, sharding, tiny_qwen3_moe
+from sao_jax.train import distributed
 from sao_jax.train.distributed import Cluster, process_block
 from sao_jax.train.loop import build_run
 
@@ -67,7 +68,7 @@ def metric_lines(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """(2-process output dir, 1-process output dir, outputs of processes 0 and 1, 1 process on 2 devices:
-    (output dir, output))."""
+    (output dir, output), 2 processes of 2 devices with one kept for rollouts: (output dir, outputs))."""
     tmp = tmp_path_factory.mktemp("multiprocess")
     cache = tmp / "jax_cache"
     # The reference first: the two processes then find its sampler programs in the compilation cache.
@@ -76,12 +77,15 @@ def runs(tmp_path_factory):
     outputs = finish([start(tmp / "two", cache, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
                             "--process-id", str(i)) for i in range(2)])  # fmt: skip
     (two_devices,) = finish([start(tmp / "two_devices", cache, "mesh.fsdp=2", devices=2)])
-    return tmp / "two", tmp / "one", outputs, (tmp / "two_devices", two_devices)
+    port = free_port()
+    split = finish([start(tmp / "split", cache, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                          "--process-id", str(i), "mesh.rollout_devices=1", devices=2) for i in range(2)])  # fmt: skip
+    return tmp / "two", tmp / "one", outputs, (tmp / "two_devices", two_devices), (tmp / "split", split)
 
 
 @pytest.mark.slow
 def test_both_processes_log_identical_metrics_and_only_process_0_writes_the_run_files(runs):
-    two, _, outputs, _ = runs
+    two, _, outputs, _, _ = runs
     for i, output in enumerate(outputs):
         assert f"process {i} of 2: train state on the mesh data=1 fsdp=2 expert=1 tensor=1" in output
     lines = metric_lines(two / "metrics.jsonl")
@@ -113,24 +117,37 @@ def assert_matches_one_device(got_dir: Path, one: Path) -> None:
 
 @pytest.mark.slow
 def test_two_processes_match_one_process_with_the_same_global_batch(runs):
-    two, one, _, _ = runs
+    two, one, _, _, _ = runs
     assert_matches_one_device(two, one)
 
 
 @pytest.mark.slow
 def test_one_process_with_two_devices_puts_the_state_on_a_mesh_and_matches_one_device(runs):
-    _, one, _, (two_devices, output) = runs
+    _, one, _, (two_devices, output), _ = runs
     assert "process 0 of 1: train state on the mesh data=1 fsdp=2 expert=1 tensor=1" in output
     assert_matches_one_device(two_devices, one)
 
 
+@pytest.mark.slow
+def test_two_processes_sampling_on_split_off_devices_match_one_device(runs):
+    """`mesh.rollout_devices=1`, 2 processes of 2 devices: each trains on one device (the mesh spans
+    one of each process) and samples on the other, with the weights copied across after every step."""
+    _, one, _, _, (split, outputs) = runs
+    for i, output in enumerate(outputs):
+        assert (f"process {i} of 2: train state on the mesh data=1 fsdp=2 expert=1 tensor=1; "
+                "rollouts on 1 other device(s) of each process") in output  # fmt: skip
+    assert_matches_one_device(split, one)
+
+
 @pytest.fixture(scope="module")
 def async_run(tmp_path_factory):
-    """`train.mode=async` as 2 processes of 2 devices each: (output dir, outputs of processes 0 and 1)."""
+    """`train.mode=async` as 2 processes of 2 devices each, one of them kept for rollouts (sampling runs
+    while the other trains): (output dir, outputs of processes 0 and 1)."""
     tmp = tmp_path_factory.mktemp("multiprocess_async")
     port = free_port()
     outputs = finish([start(tmp / "run", tmp / "jax_cache", "--coordinator", f"127.0.0.1:{port}", "--num-processes",
-                            "2", "--process-id", str(i), "train.mode=async", devices=2) for i in range(2)])  # fmt: skip
+                            "2", "--process-id", str(i), "train.mode=async", "mesh.rollout_devices=1", devices=2)
+                     for i in range(2)])  # fmt: skip
     return tmp / "run", outputs
 
 
@@ -138,7 +155,7 @@ def async_run(tmp_path_factory):
 def test_two_processes_stream_rollouts_asynchronously_and_log_identical_metrics(async_run):
     run, outputs = async_run
     for i, output in enumerate(outputs):
-        assert f"process {i} of 2: train state on the mesh data=1 fsdp=4 expert=1 tensor=1" in output
+        assert f"process {i} of 2: train state on the mesh data=1 fsdp=2 expert=1 tensor=1; rollouts on 1" in output
     lines = metric_lines(run / "metrics.jsonl")
     assert metric_lines(run / "process_1" / "metrics.jsonl") == lines
     rl = [line for line in lines if "policy/loss" in line]
@@ -175,6 +192,27 @@ def test_the_samplers_replica_is_whole_and_spread_over_the_local_devices():
     assert q.sharding.mesh.devices.size == 4
     assert {shard.data.shape for shard in q.addressable_shards} == {(32, 1, 8)}
     assert {shard.data.shape for shard in k.addressable_shards} == {(32, 2, 8)}
+
+
+def test_with_rollout_devices_split_off_the_replica_lives_on_them_and_the_mesh_on_the_rest(monkeypatch):
+    """`mesh.rollout_devices=2` of 4 devices: the train mesh is devices 2-3, the sampler's replica
+    whole on devices 0-1 (q heads split over them), copied in groups when the group limit is small."""
+    config = load_config(None, ["mesh.rollout_devices=2", "train.batch_size=4"])
+    devices = jax.devices()
+    with pytest.raises(ValueError, match=r"mesh.rollout_devices=8 must be less than the 8 devices"):
+        Cluster.for_config(load_config(None, ["mesh.rollout_devices=8"]))
+    monkeypatch.setattr(jax, "devices", lambda: devices[:4])
+    cluster = Cluster.for_config(config)
+    assert set(cluster.mesh.devices.flat) == set(devices[2:4]) and cluster.rollout_devices == tuple(devices[:2])
+    monkeypatch.setattr(distributed, "TRANSFER_GROUP_BYTES", 4096)  # several groups for the tiny model
+    state = nnx.state(Policy(tiny_qwen3_moe(), rngs=nnx.Rngs(0)))
+    replica = dict(nnx.to_flat_state(cluster.local_replica(cluster.place(state))))
+    for path, variable in nnx.to_flat_state(state):
+        value = replica[path].get_value()
+        np.testing.assert_array_equal(value, variable.get_value(), err_msg=str(path))
+        assert value.sharding.device_set == set(devices[:2]), path
+    q = replica[("layers", 0, "attn", "q_proj", "kernel")].get_value()  # [embed 32, heads 4, head_dim 8]
+    assert {shard.data.shape for shard in q.addressable_shards} == {(32, 2, 8)}
 
 
 def test_a_preset_policy_on_a_mesh_is_drawn_in_shards_equal_to_the_host_build():

@@ -1,6 +1,5 @@
 """SFT warm start: demonstrations laid out like sampled trajectories, and the NLL step."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
