@@ -275,12 +275,12 @@ def _tensor_mesh(devices: Sequence[jax.Device]) -> Mesh:
     return Mesh(np.array(devices).reshape(1, 1, 1, -1), sharding.MESH_AXES)
 
 
-def _byte_groups(values: Sequence[jax.Array], limit: int | None) -> list[list[int]]:
+def _byte_groups(values: Sequence[Any], limit: int | None) -> list[list[int]]:
     """Indices of `values` in order, cut into runs of at most `limit` bytes (one run when None; a
     larger value alone)."""
     groups, size = [[]], 0
     for i, value in enumerate(values):
-        nbytes = value.size * value.dtype.itemsize
+        nbytes = getattr(value, "nbytes", 0)
         if limit is not None and groups[-1] and size + nbytes > limit:
             groups, size = [*groups, []], 0
         groups[-1].append(i)

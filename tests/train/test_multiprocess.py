@@ -213,6 +213,9 @@ def test_with_rollout_devices_split_off_the_replica_lives_on_them_and_the_mesh_o
         assert value.sharding.device_set == set(devices[:2]), path
     q = replica[("layers", 0, "attn", "q_proj", "kernel")].get_value()  # [embed 32, heads 4, head_dim 8]
     assert {shard.data.shape for shard in q.addressable_shards} == {(32, 2, 8)}
+    sizes = [np.zeros(n, np.uint8) for n in (1000, 1000, 5000, 10, 3000)]
+    assert distributed._byte_groups(sizes, 2500) == [[0, 1], [2], [3], [4]]
+    assert distributed._byte_groups(sizes, None) == [[0, 1, 2, 3, 4]]
 
 
 def test_a_preset_policy_on_a_mesh_is_drawn_in_shards_equal_to_the_host_build():
