@@ -84,6 +84,7 @@ class Chip:
     hbm_bytes_per_s: float
     ici_bytes_per_s: float  # inter-chip interconnect, per chip
     tensorcores_per_chip: int  # the number in an accelerator type like "v5p-64" counts TensorCores
+    chips_per_host: int  # one sao-train process each; `mesh.rollout_devices` counts chips per host
 
 
 # Google Cloud "TPU v5p" page (cloud.google.com/tpu/docs/v5p): per chip 459 TFLOP/s bf16, HBM2e 95 GB
@@ -91,7 +92,7 @@ class Chip:
 # (v5p-64 = 32 chips on 8 hosts). 95 GB is read as 95·10⁹ bytes (88.5 GiB), the conservative reading;
 # `--hbm-gb` overrides it.
 CHIPS = {"v5p": Chip("v5p", hbm_bytes=95e9, peak_bf16_flops=459e12, hbm_bytes_per_s=2765e9, ici_bytes_per_s=600e9,
-                     tensorcores_per_chip=2)}  # fmt: skip
+                     tensorcores_per_chip=2, chips_per_host=4)}  # fmt: skip
 
 
 def accelerator_chips(accelerator_type: str) -> tuple[Chip, int]:
@@ -532,7 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--hbm-gb", type=float, help="HBM per chip in 10^9 bytes (default: the chip's spec)")
     parser.add_argument("--mesh", default="fsdp=-1", help="train mesh, e.g. data=2,fsdp=-1,expert=1,tensor=1")
     parser.add_argument("--rollout-mesh", help="rollout mesh (default: the train mesh, weights read in place)")
-    parser.add_argument("--rollout-chips", type=int, default=0, help="chips of a disjoint rollout sub-mesh (0: time-share)")
+    parser.add_argument("--rollout-chips", type=int, default=0, help="chips of a disjoint rollout sub-mesh over the whole slice (0: time-share); "
+                        "the config's mesh.rollout_devices=r is r chips per host: hosts x r here")
     parser.add_argument("--weights", choices=("bf16", "f32"), default="f32",
                         help="dtype the weights are stored in (the forward casts them to the compute dtype)")
     parser.add_argument("--master-f32", action=argparse.BooleanOptionalAction, default=False,

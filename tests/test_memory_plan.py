@@ -277,8 +277,8 @@ def test_pod_config_mesh_fits_its_slice(path):
     mesh = raw["mesh"]
     unknown = set(mesh) - set(MeshConfig.__dataclass_fields__)
     assert not unknown, f"{path.name}: unknown mesh keys {unknown}"
-    _, chips = mp.accelerator_chips(path.stem)  # the file is named after its accelerator type
-    train_chips = chips - mesh.get("rollout_devices", 0)
+    chip, chips = mp.accelerator_chips(path.stem)  # the file is named after its accelerator type
+    train_chips = chips - chips // chip.chips_per_host * mesh.get("rollout_devices", 0)  # r per host
     shape = MeshConfig(**mesh).shape()
     assert math.prod(mp.resolve_mesh(shape, train_chips).values()) == train_chips
     if (path.parent / raw["base"]).exists():  # the base run config is written separately
