@@ -20,8 +20,9 @@ Every process runs the same program on the same config; what differs is which de
 
 One process with several accelerator chips (a single TPU VM or GPU host) takes the same path with
 P = 1 (the state on the mesh, rollouts on its chips). Several CPU devices do so only when
-`config.mesh` gives every axis size explicitly (no -1: e.g. `mesh.fsdp=8`); otherwise one process
-trains on its first device and every placement is the identity.
+`config.mesh` gives every axis size explicitly (no -1: e.g. `mesh.fsdp=8`) or keeps devices for
+rollouts (`mesh.rollout_devices`); otherwise one process trains on its first device and every
+placement is the identity.
 
 `train.mode: async` with P processes (`loop.StreamingBatches`): each process streams its own
 rollouts on its own devices, and the trainer thread, which alone issues computations over the mesh,
