@@ -183,17 +183,16 @@ def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, 
 def blocked_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     """Dropless grouped dispatch in fixed-size blocks (MegaBlocks-style, without sparse kernels):
     each expert's assignments fill ceil(count_e / B) blocks of B rows (its last block padded), every
-    block is one matmul with its expert's weights, and results are gathered back:
+    block is one matmul with its expert's weights (`expert_blocks`), and results are gathered back:
       out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t),  the same numbers as `dense_dispatch`.
     Σ_e ceil(count_e / B) <= (tokens·k + E·(B−1)) / B whatever the routing, which fixes the number
-    of blocks; B = max(8, tokens·k / (4E) rounded down to a multiple of 8), so padding is at most
-    about a quarter of the tokens·k rows. Unlike `capacity_dispatch`, a token's output never depends
-    on the other tokens of the call (decode steps and full forwards agree); it pays for that with
-    per-block copies of the expert weights.
+    of blocks; B = max(8, tokens·k / (8E) rounded down to a multiple of 8), so padding is at most
+    about an eighth of the tokens·k rows. Unlike `capacity_dispatch`, a token's output never depends
+    on the other tokens of the call (decode steps and full forwards agree).
     """
     tokens, k = expert_ids.shape
     num_experts = gate_proj.shape[0]
-    block = max(8, tokens * k // (4 * num_experts) // 8 * 8)
+    block = max(8, tokens * k // (8 * num_experts) // 8 * 8)
     num_blocks = (tokens * k + num_experts * (block - 1)) // block
     rank, _ = capacity_slots(expert_ids, num_experts, capacity=tokens)  # index within its expert
     count = jnp.bincount(expert_ids.reshape(-1), length=num_experts)
@@ -206,9 +205,63 @@ def blocked_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     block_expert = jnp.minimum(jnp.searchsorted(padded_end, jnp.arange(num_blocks) * block, side="right"),
                                num_experts - 1)  # fmt: skip (blocks past the last expert's are empty)
     x_blocks = jnp.take(x, row_token, axis=0, mode="fill", fill_value=0).reshape(num_blocks, block, -1)
-    out_blocks = swiglu(x_blocks, gate_proj[block_expert], up_proj[block_expert], down_proj[block_expert])
+    out_blocks = expert_blocks(x_blocks, block_expert, gate_proj, up_proj, down_proj)
     out_pairs = jnp.take(out_blocks.reshape(num_blocks * block, -1), row, axis=0)  # [tokens, k, embed]
     return jnp.einsum("tkd,tk->td", out_pairs, weights.astype(x.dtype))
+
+
+@jax.custom_vjp
+def expert_blocks(x_blocks, block_expert, gate_proj, up_proj, down_proj):
+    """y[b] = SwiGLU_e(x_blocks[b]) with e = block_expert[b], for x_blocks [blocks, rows, embed] and
+    expert weights stacked [experts, ...]: a `lax.scan` over the blocks that reads each block's
+    weights in place.
+
+    Its gradient is written out rather than derived: with a = x·G_e, u = x·U_e, h = silu(a) ⊙ u, y = h·D_e
+    and the incoming dy of each block,
+      dD_e += hᵀ·dy,  dh = dy·D_eᵀ,  da = dh ⊙ u ⊙ σ(a)(1 + a(1 − σ(a))),  du = dh ⊙ silu(a),
+      dG_e += xᵀ·da,  dU_e += xᵀ·du,  dx = da·G_eᵀ + du·U_eᵀ,
+    each block adding into its expert's slice of float32 accumulators in place. Autodiff of the batched
+    form (one weight copy per block) builds a [blocks, embed, mlp] gradient per weight instead, which
+    XLA:CPU transposes and sums per expert: one d512 MoE layer's forward and backward took 392 ms that
+    way and 311 ms this way on the 2-core CPU (the dense SwiGLU of the same FLOPs: 235 ms;
+    benchmarks/RESULTS.md).
+    """
+    return _expert_blocks_forward(x_blocks, block_expert, gate_proj, up_proj, down_proj)[0]
+
+
+def _expert_blocks_forward(x_blocks, block_expert, gate_proj, up_proj, down_proj):
+    def one_block(_, block):
+        x, e = block
+        a, u = x @ gate_proj[e], x @ up_proj[e]
+        return None, ((jax.nn.silu(a) * u) @ down_proj[e], a, u)
+
+    _, (y, a, u) = jax.lax.scan(one_block, None, (x_blocks, block_expert))
+    return y, (x_blocks, block_expert, gate_proj, up_proj, down_proj, a, u)
+
+
+def _expert_blocks_backward(residuals, dy):
+    x_blocks, block_expert, gate_proj, up_proj, down_proj, a, u = residuals
+
+    def one_block(grads, block):
+        d_gate, d_up, d_down = grads
+        x, e, a, u, dy = block
+        sigmoid = jax.nn.sigmoid(a)
+        silu = a * sigmoid
+        d_down = d_down.at[e].add(jnp.matmul((silu * u).T, dy, preferred_element_type=jnp.float32))
+        dh = dy @ down_proj[e].T
+        da = dh * u * sigmoid * (1 + a * (1 - sigmoid))
+        du = dh * silu
+        d_gate = d_gate.at[e].add(jnp.matmul(x.T, da, preferred_element_type=jnp.float32))
+        d_up = d_up.at[e].add(jnp.matmul(x.T, du, preferred_element_type=jnp.float32))
+        return (d_gate, d_up, d_down), da @ gate_proj[e].T + du @ up_proj[e].T
+
+    zeros = tuple(jnp.zeros(w.shape, jnp.float32) for w in (gate_proj, up_proj, down_proj))
+    grads, dx = jax.lax.scan(one_block, zeros, (x_blocks, block_expert, a, u, dy))
+    d_gate, d_up, d_down = (g.astype(w.dtype) for g, w in zip(grads, (gate_proj, up_proj, down_proj)))
+    return dx, None, d_gate, d_up, d_down
+
+
+expert_blocks.defvjp(_expert_blocks_forward, _expert_blocks_backward)
 
 
 # Calls with at most this many tokens per expert take the dropless capacity path (`MoE.__call__`).
