@@ -134,6 +134,19 @@ def test_all_dispatches_have_the_same_gradients_when_nothing_is_dropped():
                                        err_msg=str(dispatch))  # fmt: skip
 
 
+def test_blocked_dispatch_gradients_in_bfloat16_keep_dtypes_and_follow_float32():
+    """The written-out backward of `expert_blocks` in bfloat16: every gradient comes back in its
+    input's dtype, within bfloat16 rounding of the float32 reference's (accumulated in float32)."""
+    x, expert_ids, weights, params = _dispatch_problem(1, tokens=64)
+    reference = _grads(dense_dispatch, x, expert_ids, weights, params)
+    half = jax.tree.map(lambda a: a.astype(jnp.bfloat16), (x, weights, params))
+    grads = _grads(blocked_dispatch, half[0], expert_ids, half[1], half[2])
+    for ref, got in zip(jax.tree.leaves(reference), jax.tree.leaves(grads)):
+        assert got.dtype == jnp.bfloat16
+        scale = float(jnp.max(jnp.abs(ref)))
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref), atol=0.05 * scale)
+
+
 def test_expert_capacity_is_the_even_split_times_the_factor_at_most_all_tokens():
     assert expert_capacity(tokens=4096, k=2, num_experts=8, capacity_factor=1.25) == 1280
     assert expert_capacity(tokens=10, k=2, num_experts=6, capacity_factor=1.0) == 4  # ceil(20 / 6)
