@@ -160,6 +160,25 @@ def dot_product_attention(q, k, v, allowed):
     return out.reshape(batch, time, heads, head_dim)
 
 
+def causal_attention(q, k, v, allowed):
+    """`dot_product_attention` of a chunk over its own keys (no cache), one block of queries at a
+    time: queries [a, b) attend keys [0, b) only, since `allowed` never lets a query see a later key
+    (`AttentionLayout.build` without a cache). The same numbers; with n blocks the score matmuls,
+    masking and softmax skip (n − 1) / 2n of the full [time, time] work. Blocks are ceil(time / 8)
+    queries, at least 64: at time 256, four blocks made one layer's attention forward and backward
+    1.5x faster on the 2-core CPU (benchmarks/RESULTS.md).
+    """
+    time = q.shape[1]
+    size = max(64, -(-time // 8))
+    if size >= time:
+        return dot_product_attention(q, k, v, allowed)
+    blocks = [
+        dot_product_attention(q[:, a : a + size], k[:, : a + size], v[:, : a + size], allowed[:, a : a + size, : a + size])
+        for a in range(0, time, size)
+    ]
+    return jnp.concatenate(blocks, axis=1)
+
+
 def splash_attention(q, k, v, token_mask):
     """`dot_product_attention` without a cache — causal, over real tokens — by the Pallas TPU
     splash (flash) kernel: scores are made block by block and never stored, in the forward or the
@@ -277,6 +296,8 @@ class Attention(nnx.Module):
             cache_kv = (k, v)
         if self.splash and cache_kv is None:
             out = splash_attention(q, k, v, layout.token_mask)
+        elif cache_kv is None:
+            out = causal_attention(q, k, v, layout.allowed)
         else:
             out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
         return self.o_proj(out), cache_kv
