@@ -25,7 +25,8 @@ def test_causal_attention_gradients_equal_the_full_attention_gradients():
     weights = jax.random.normal(jax.random.key(1), q.shape) * mask[..., None, None]  # real queries only
 
     def grads(attend):
-        return jax.jit(jax.grad(lambda q, k, v: jnp.sum(weights * attend(q, k, v, allowed)), argnums=(0, 1, 2)))(q, k, v)
+        loss = lambda q, k, v: jnp.sum(weights * attend(q, k, v, allowed))  # noqa: E731
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
 
     for got, want in zip(grads(causal_attention), grads(dot_product_attention)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
