@@ -164,15 +164,13 @@ def causal_attention(q, k, v, allowed):
     """`dot_product_attention` of a chunk over its own keys (no cache), one block of queries at a
     time: queries [a, b) attend keys [0, b) only, since `allowed` never lets a query see a later key
     (`AttentionLayout.build` without a cache). The same numbers at every query that sees a key (a
-    padding query sees none and averages over fewer values, which nothing reads); with n blocks
-    the score matmuls, masking and softmax skip (n − 1) / 2n of the full [time, time] work. Blocks are ceil(time / 8)
-    queries, at least 64: at time 256, four blocks made one layer's attention forward and backward
-    1.5x faster on the 2-core CPU (benchmarks/RESULTS.md).
+    padding query sees none and averages over fewer values, which nothing reads); with n blocks the
+    score matmuls, masking and softmax skip (n − 1) / 2n of the full [time, time] work. Blocks are
+    ceil(time / 8) queries, at least 64: at time 256, four blocks made one layer's attention forward
+    and backward 1.5x faster on the 2-core CPU (benchmarks/RESULTS.md).
     """
     time = q.shape[1]
     size = max(64, -(-time // 8))
-    if size >= time:
-        return dot_product_attention(q, k, v, allowed)
     blocks = []
     for a in range(0, time, size):
         b = a + size  # queries [a, b) over keys [0, b)
