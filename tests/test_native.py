@@ -66,7 +66,7 @@ def test_build_without_a_compiler_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-c++-compiler")
     monkeypatch.setenv("SAO_JAX_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no C\\+\\+ compiler found.*no-such-c\\+\\+-compiler"):
-        native._build(native._SOURCE)
+        native._build(native._HERE / "gae_cpu.cc")
 
 
 def test_build_failure_shows_the_compiler_output_and_leaves_no_library(monkeypatch, tmp_path):

@@ -62,7 +62,8 @@ class ModelConfig:
     residual stream per layer — for about one extra forward of compute. No effect on the numbers.
     `attention` of full-sequence forwards (training, prefill without a cache): "xla" (the einsum
     softmax, [time, time] scores in memory) or "splash" (the Pallas TPU flash kernel, which never
-    stores the scores; interpreted off TPU, for tests). Cached decoding always uses "xla".
+    stores the scores; interpreted off TPU, for tests). Cached decoding ignores it
+    (`layers.cached_attention`: a native kernel at CPU decode steps, else the einsum).
     """
 
     model_type: str  # "qwen3_moe" | "glm4_moe": which Hugging Face family this maps to

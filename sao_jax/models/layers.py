@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax import native
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.sharding import active_mesh_and_rules, logical_to_spec
 
@@ -112,6 +113,8 @@ class AttentionLayout:
     allowed: bool [batch, time, keys]: query t may attend key s.
     write_slots: int [batch, time] cache slot of each token (max_len for padding: dropped), or None
     without a cache.
+    num_keys: int [batch, time] with a cache: query t attends cache slots [0, num_keys) (what
+    `allowed` says, as a count); None without a cache.
     token_mask: bool [batch, time]: the chunk's real tokens (what a flash kernel reads instead of
     `allowed`).
     """
@@ -119,6 +122,7 @@ class AttentionLayout:
     allowed: jax.Array
     write_slots: jax.Array | None
     token_mask: jax.Array
+    num_keys: jax.Array | None = None
 
     @staticmethod
     def build(token_mask: jax.Array, lengths: jax.Array | None, max_len: int | None) -> AttentionLayout:
@@ -141,7 +145,8 @@ class AttentionLayout:
             key_slots[None, None, :] < new_lengths[:, None, None]
         )
         write_slots = jnp.where(token_mask, query_slots, max_len)
-        return AttentionLayout(allowed=allowed, write_slots=write_slots, token_mask=token_mask)
+        num_keys = jnp.clip(jnp.minimum(query_slots + 1, new_lengths[:, None]), 0, max_len)
+        return AttentionLayout(allowed=allowed, write_slots=write_slots, token_mask=token_mask, num_keys=num_keys)
 
 
 def dot_product_attention(q, k, v, allowed):
@@ -176,6 +181,27 @@ def causal_attention(q, k, v, allowed):
         b = a + size  # queries [a, b) over keys [0, b)
         blocks.append(dot_product_attention(q[:, a:b], k[:, :b], v[:, :b], allowed[:, a:b, :b]))
     return jnp.concatenate(blocks, axis=1)
+
+
+def cached_attention(q, k, v, layout: AttentionLayout):
+    """`dot_product_attention` of a chunk over a KV cache k, v [batch, slots, kv_heads, head_dim].
+
+    A decode step (one query per row) on the CPU runs the native kernel
+    (`sao_jax/native/cached_attention_cpu.cc`): it reads each slot a query attends once, in the
+    cache's layout, where the einsum makes XLA:CPU copy every layer's whole K and V into the layouts
+    of its batched dots. Same numbers up to float rounding, except that a query attending no slot
+    (a row never fed, whose output nothing reads) gets 0 instead of the einsum's average over all
+    slots. Everything else — several queries per row, other backends, a float16 cache, shapes the
+    kernel does not take, no C++ compiler — runs the einsum.
+    """
+    group, head_dim = q.shape[2] // k.shape[2], q.shape[3]
+    kernel = (q.shape[1] == 1 and k.dtype in (jnp.float32, jnp.bfloat16) and group <= 8 and head_dim % 8 == 0
+              and head_dim <= 256 and jax.default_backend() == "cpu" and native.cached_attention_available())  # fmt: skip
+    if not kernel:
+        return dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
+    call = jax.ffi.ffi_call(native.CACHED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+                            vmap_method="sequential")  # fmt: skip
+    return call(q.astype(jnp.float32), k, v, layout.num_keys.astype(jnp.int32)).astype(q.dtype)
 
 
 def splash_attention(q, k, v, token_mask):
@@ -298,5 +324,5 @@ class Attention(nnx.Module):
         elif cache_kv is None:
             out = causal_attention(q, k, v, layout.allowed)
         else:
-            out = dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
+            out = cached_attention(q, k, v, layout)
         return self.o_proj(out), cache_kv

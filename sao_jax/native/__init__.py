@@ -1,15 +1,16 @@
 """CPU kernels compiled from this folder's C++ and called through the XLA FFI.
 
-One kernel today, `gae_cpu.cc`: skip-observation GAE as a single pass over each row. It is built
+Two kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row, and
+`cached_attention_cpu.cc`, a decode step's attention over the KV cache read in place. Each is built
 on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI headers that
-ship with jaxlib, cached as `<cache>/gae_cpu-<hash>.so` (the hash covers the source, the jaxlib
-version and the compiler), then registered with `jax.ffi.register_ffi_target` for the CPU
-platform. `<cache>` is `$SAO_JAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sao_jax/kernels`, else
+ship with jaxlib, for this machine's CPU (`-march=native`), cached as `<cache>/<name>-<hash>.so`
+(the hash covers the source, the jaxlib version, the compiler and the CPU), then registered with
+`jax.ffi.register_ffi_target` for the CPU platform. `<cache>` is `$SAO_JAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sao_jax/kernels`, else
 `~/.cache/sao_jax/kernels`. Concurrent builds (several processes) each write a private file and
 rename it into place, so a reader never sees half a library.
 
-Without a compiler the kernel is unavailable: `gae_kernel_available()` says so, logs why once, and
-`skip_observation_gae(method="auto")` falls back to the `lax.scan` path (same results).
+Without a compiler a kernel is unavailable: `gae_kernel_available()` / `cached_attention_available()`
+say so, log why once, and the callers fall back to their XLA paths (same results).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -30,7 +32,8 @@ import jaxlib
 logger = logging.getLogger(__name__)
 
 GAE_TARGET = "sao_skip_observation_gae"
-_SOURCE = Path(__file__).with_name("gae_cpu.cc")
+CACHED_ATTENTION_TARGET = "sao_cached_attention"
+_HERE = Path(__file__).parent
 
 
 def kernel_cache_dir() -> Path:
@@ -40,21 +43,34 @@ def kernel_cache_dir() -> Path:
     return Path(base) / "sao_jax" / "kernels"
 
 
+def _cpu_identity() -> bytes:
+    """The CPU a `-march=native` build is for (model and feature flags), so that machines sharing a
+    cache folder never load each other's libraries."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}".encode()
+    wanted = {"model name", "flags", "Features", "CPU implementer", "CPU part"}
+    return "\n".join(sorted({line for line in lines if line.split(":")[0].strip() in wanted})).encode()
+
+
 def _build(source: Path) -> Path:
-    """Compiles `source` into a shared library in the cache (once per source/jaxlib/compiler)."""
+    """Compiles `source` into a shared library in the cache (once per source, jaxlib, compiler and
+    CPU: the kernels are built for the CPU they run on)."""
     compiler = os.environ.get("CXX", "c++")
     compiler_path = shutil.which(compiler)
     if compiler_path is None:
         raise RuntimeError(f"no C++ compiler found (looked for {compiler!r}; set $CXX)")
     text = source.read_bytes()
-    key = hashlib.sha256(text + jaxlib.__version__.encode() + compiler_path.encode()).hexdigest()
+    key = hashlib.sha256(text + jaxlib.__version__.encode() + compiler_path.encode() + _cpu_identity()).hexdigest()
     library = kernel_cache_dir() / f"{source.stem}-{key[:16]}.so"
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         built = Path(scratch) / library.name
-        command = [compiler_path, "-O3", "-std=c++17", "-fPIC", "-shared",
+        native_cpu = "-march=native" if platform.machine() in ("x86_64", "AMD64") else "-mcpu=native"
+        command = [compiler_path, "-O3", native_cpu, "-std=c++17", "-fPIC", "-shared",
                    "-isystem", jax.ffi.include_dir(), str(source), "-o", str(built)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
@@ -64,14 +80,27 @@ def _build(source: Path) -> Path:
     return library
 
 
+def _register(source: str, symbol: str, target: str, fallback: str) -> bool:
+    """Builds `source` and registers its handler `symbol` as the CPU FFI target `target`; False,
+    logged with what the caller does instead, if that fails."""
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(_HERE / source)))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    except (OSError, RuntimeError) as error:
+        logger.warning("the CPU kernel %s is unavailable, %s: %s", source, fallback, error)
+        return False
+    return True
+
+
 @functools.cache
 def gae_kernel_available() -> bool:
     """Builds and registers the GAE kernel (once per process); False, logged, if that fails."""
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_build(_SOURCE)))
-        jax.ffi.register_ffi_target(GAE_TARGET, jax.ffi.pycapsule(library.SaoSkipObservationGae),
-                                    platform="cpu")
-    except (OSError, RuntimeError) as error:
-        logger.warning("the CPU GAE kernel is unavailable, using the lax.scan path: %s", error)
-        return False
-    return True
+    return _register("gae_cpu.cc", "SaoSkipObservationGae", GAE_TARGET, "using the lax.scan path")
+
+
+@functools.cache
+def cached_attention_available() -> bool:
+    """Builds and registers the cached-attention kernel (once per process); False, logged, if that
+    fails."""
+    return _register("cached_attention_cpu.cc", "SaoCachedAttention", CACHED_ATTENTION_TARGET,
+                     "decoding with the einsum attention")

@@ -161,8 +161,12 @@ class Sampler:
         self.config = policy.config
         self.chunk_size = chunk_size
         self.log_probs = functools.partial(sampling_log_probs, temperature=temperature, top_k=top_k, top_p=top_p)
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,))
-        self._decode_chunk = jax.jit(self._decode_chunk_impl, donate_argnums=(1,), static_argnums=(5,))
+        # XLA:CPU's YNNPACK dot fusions ran a decode step's few-row matmuls (32 × 256 · 256 × 1024)
+        # about 3x slower than its own dot emitter on the 2-core CPU (benchmarks/RESULTS.md): off here.
+        options = {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,), compiler_options=options)
+        self._decode_chunk = jax.jit(self._decode_chunk_impl, donate_argnums=(1,), static_argnums=(5,),
+                                     compiler_options=options)  # fmt: skip
 
     def init_state(self, batch_size: int, max_len: int) -> DecodeState:
         """An empty state: a zeroed cache of `max_len` slots per row (= the longest sequence)."""

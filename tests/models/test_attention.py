@@ -1,12 +1,16 @@
 """`causal_attention` (query blocks over their causal prefix of keys) against a plain numpy softmax
-attention and against the full [time, time] einsum attention's gradients."""
+attention and against the full [time, time] einsum attention's gradients; `cached_attention` (the
+native CPU kernel at a decode step) against a plain numpy softmax over the first slots of a cache."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sao_jax.models.layers import AttentionLayout, causal_attention, dot_product_attention
+from jax.sharding import NamedSharding, PartitionSpec
+
+from sao_jax import native
+from sao_jax.models.layers import AttentionLayout, cached_attention, causal_attention, dot_product_attention
 from tests.models.test_splash_attention import qkv, reference_attention
 
 
@@ -30,3 +34,75 @@ def test_causal_attention_gradients_equal_the_full_attention_gradients():
 
     for got, want in zip(grads(causal_attention), grads(dot_product_attention)):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def reference_cached_attention(q, k, v, num_keys):
+    """Plain numpy: query head h of row b attends cache slots [0, num_keys[b]) of kv head h // group;
+    0 where it attends none."""
+    q, k, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (q, k, v))
+    batch, _, heads, head_dim = q.shape
+    group = heads // k.shape[2]
+    out = np.zeros(q.shape)
+    for b in range(batch):
+        n = int(num_keys[b])
+        for h in range(heads):
+            if n:
+                logits = k[b, :n, h // group] @ q[b, 0, h] / np.sqrt(head_dim)
+                p = np.exp(logits - logits.max())
+                out[b, 0, h] = (p / p.sum()) @ v[b, :n, h // group]
+    return out
+
+
+def decode_inputs(batch, slots, heads, kv_heads, head_dim, dtype, seed=0):
+    """One query per row over a cache of `slots`, filled with noise past what each row attends."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (batch, 1, heads, head_dim))
+    k, v = (jax.random.normal(key, (batch, slots, kv_heads, head_dim), dtype) for key in ks[1:3])
+    # row lengths before this token: 0 (a first token), block edges of the kernel (64 slots), full
+    lengths = np.array([0, 63, 64, 127, slots - 1, 5, 1, 100][:batch]) % slots
+    layout = AttentionLayout.build(jnp.ones((batch, 1), bool), jnp.asarray(lengths, jnp.int32), slots)
+    return q, k, v, layout
+
+
+@pytest.fixture(scope="module")
+def attend():
+    assert native.cached_attention_available()
+    return jax.jit(cached_attention)
+
+
+@pytest.mark.parametrize(
+    "heads, kv_heads, head_dim, dtype",
+    [(4, 2, 64, jnp.float32), (4, 4, 8, jnp.float32), (6, 2, 128, jnp.float32), (8, 1, 16, jnp.float32),
+     (4, 2, 64, jnp.bfloat16)],
+)  # fmt: skip
+def test_cached_attention_kernel_equals_softmax_over_the_first_slots(attend, heads, kv_heads, head_dim, dtype):
+    slots = 133  # not a multiple of the kernel's blocks (64) or rows (4)
+    q, k, v, layout = decode_inputs(8, slots, heads, kv_heads, head_dim, dtype)
+    assert "sao_cached_attention" in attend.lower(q, k, v, layout).as_text()  # the kernel, not the einsum
+    np.testing.assert_array_equal(layout.num_keys[:, 0], [1, 64, 65, 128, 133, 6, 2, 101])
+    got = attend(q, k, v, layout)
+    np.testing.assert_allclose(got, reference_cached_attention(q, k, v, layout.num_keys[:, 0]), rtol=2e-5, atol=2e-5)
+
+
+def test_cached_attention_kernel_gives_zero_to_a_query_that_attends_nothing(attend):
+    q, k, v, _ = decode_inputs(2, 70, 4, 2, 64, jnp.float32)
+    layout = AttentionLayout.build(jnp.array([[True], [False]]), jnp.zeros(2, jnp.int32), 70)  # row 1: padding
+    got = np.asarray(attend(q, k, v, layout))
+    np.testing.assert_allclose(got[0], np.asarray(v[0, 0]).repeat(2, axis=0)[None], rtol=1e-6)  # one slot: its value
+    np.testing.assert_array_equal(got[1], 0)
+
+
+def test_cached_attention_kernel_on_a_cache_sharded_over_eight_devices(attend):
+    q, k, v, layout = decode_inputs(8, 96, 4, 2, 64, jnp.float32, seed=1)
+    rows = NamedSharding(jax.make_mesh((8,), ("data",)), PartitionSpec("data"))
+    got = attend(*(jax.device_put(x, rows) for x in (q, k, v)), layout)
+    np.testing.assert_allclose(got, reference_cached_attention(q, k, v, layout.num_keys[:, 0]), rtol=2e-5, atol=2e-5)
+
+
+def test_cached_attention_without_the_kernel_runs_the_einsum(monkeypatch):
+    q, k, v, layout = decode_inputs(8, 80, 4, 2, 64, jnp.float32, seed=2)
+    monkeypatch.setattr(native, "cached_attention_available", lambda: False)
+    lowered = jax.jit(cached_attention).lower(q, k, v, layout)
+    assert "sao_cached_attention" not in lowered.as_text()
+    got = lowered.compile()(q, k, v, layout)
+    np.testing.assert_allclose(got, reference_cached_attention(q, k, v, layout.num_keys[:, 0]), rtol=2e-5, atol=2e-5)

@@ -1,0 +1,251 @@
+// Attention of a few queries over a KV cache on the CPU, as one XLA FFI call: each key and value
+// slot is read once, in the cache's own [batch, slots, kv_heads, head_dim] layout.
+//
+// For query head h of row b, query t, with kv head j = h / (heads / kv_heads) and n = num_keys[b, t]:
+//   s_i = q · k_i / sqrt(head_dim)                        for cache slots i < n
+//   out = Σ_{i<n} exp(s_i − max s) · v_i / Σ_{i<n} exp(s_i − max s)     (0 when n = 0)
+// which is `layers.dot_product_attention` with `allowed` = the first n slots.
+// Why a kernel: a decode step's einsum attention makes XLA:CPU copy every layer's K and V into
+// the layouts its batched dots want, and those dots (two query heads per kv head, one query) run
+// far below the memory bandwidth; here one task per (row, query, kv head) reads its slots in
+// place — the step is then bound by reading the cache once.
+// The tasks are spread over XLA's intra-op thread pool when it has one.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// exp(x) for x <= 0 (softmax terms), written out so the compiler can vectorize it without
+// -ffast-math: x = n·ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative
+// error < 2e-7 there), times 2^n built in the exponent bits; x < −87 (below float's normal range)
+// gives 0.
+inline float ExpNonPositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5·2^23
+  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+// Vectors of 8 floats (GCC/Clang vector extensions): one AVX register, two SSE or NEON registers.
+typedef float Vec __attribute__((vector_size(32)));
+constexpr int64_t kLanes = 8;
+constexpr int64_t kBlock = 64;     // slots per block: its scores stay in L1 between the passes
+constexpr int64_t kMaxGroup = 8;   // query heads per kv head
+constexpr int64_t kRows = 4;       // slots scored at once (their loads of q are shared)
+constexpr int64_t kMaxHeadDim = 256;
+
+template <typename KV>
+constexpr KV kZeros[kMaxHeadDim] = {};
+
+inline Vec Load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline Vec Load(const uint16_t* p) {  // 8 bfloat16 values, widened
+  uint16_t half[kLanes];
+  std::memcpy(half, p, sizeof(half));
+  uint32_t bits[kLanes];
+  for (int64_t u = 0; u < kLanes; ++u) bits[u] = static_cast<uint32_t>(half[u]) << 16;
+  Vec v;
+  std::memcpy(&v, bits, sizeof(v));
+  return v;
+}
+inline float Sum(Vec v) {
+  float total = 0.0f;
+  for (int64_t u = 0; u < kLanes; ++u) total += v[u];
+  return total;
+}
+
+struct Shape {
+  int64_t batch, time, heads, kv_heads, head_dim, slots;
+};
+
+// One (row b, query t, kv head j) task: its `group` query heads attend slots [0, n), a block of
+// slots at a time with an online softmax (running max m, sum l and unnormalized output acc).
+template <typename KV, int64_t group>
+void AttendOne(const float* q, const KV* k, const KV* v, const int32_t* num_keys, float* out,
+               const Shape& s, int64_t task) {
+  const int64_t j = task % s.kv_heads;
+  const int64_t bt = task / s.kv_heads;  // b * time + t
+  const int64_t b = bt / s.time;
+  const int64_t chunks = s.head_dim / kLanes;
+  const int64_t n = std::clamp<int64_t>(num_keys[bt], 0, s.slots);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
+  const int64_t slot_stride = s.kv_heads * s.head_dim;
+  const KV* k0 = k + (b * s.slots * s.kv_heads + j) * s.head_dim;
+  const KV* v0 = v + (b * s.slots * s.kv_heads + j) * s.head_dim;
+
+  Vec query[group][kMaxHeadDim / kLanes];  // the group's heads are adjacent in q
+  Vec acc[group][kMaxHeadDim / kLanes];
+  float m[group], l[group];
+  float p[group][kBlock];
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      query[g][c] = Load(q + (bt * s.heads + j * group + g) * s.head_dim + c * kLanes) * scale;
+      acc[g][c] = Vec{};
+    }
+    m[g] = -INFINITY;
+    l[g] = 0.0f;
+  }
+  for (int64_t start = 0; start < n; start += kBlock) {
+    const int64_t width = std::min(kBlock, n - start);
+    // scores p[g][i] = q_g · k_i, kRows slots at a time (past the block's end: a row of zeros)
+    for (int64_t i = 0; i < width; i += kRows) {
+      const KV* rows[kRows];
+      for (int64_t r = 0; r < kRows; ++r) rows[r] = i + r < width ? k0 + (start + i + r) * slot_stride : kZeros<KV>;
+      Vec dots[kRows][group] = {};
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t r = 0; r < kRows; ++r) {
+          const Vec key = Load(rows[r] + c * kLanes);
+          for (int64_t g = 0; g < group; ++g) dots[r][g] += query[g][c] * key;
+        }
+      }
+      for (int64_t r = 0; r < kRows; ++r)
+        for (int64_t g = 0; g < group; ++g) p[g][i + r] = Sum(dots[r][g]);
+    }
+    // p ← exp(p − new max); rescale what came before by exp(old max − new max)
+    for (int64_t g = 0; g < group; ++g) {
+      float block_max = m[g];
+      for (int64_t i = 0; i < width; ++i) block_max = std::max(block_max, p[g][i]);
+      const float rescale = ExpNonPositive(m[g] - block_max);  // 0 on the first block (m = −inf)
+      float block_sum = 0.0f;
+      for (int64_t i = 0; i < width; ++i) {
+        p[g][i] = ExpNonPositive(p[g][i] - block_max);
+        block_sum += p[g][i];
+      }
+      l[g] = l[g] * rescale + block_sum;
+      m[g] = block_max;
+      for (int64_t c = 0; c < chunks; ++c) acc[g][c] *= rescale;
+    }
+    // acc_g += Σ_i p[g][i] · v_i
+    for (int64_t i = 0; i < width; ++i) {
+      for (int64_t c = 0; c < chunks; ++c) {
+        const Vec value = Load(v0 + (start + i) * slot_stride + c * kLanes);
+        for (int64_t g = 0; g < group; ++g) acc[g][c] += p[g][i] * value;
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    const float inverse = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    float* out_g = out + (bt * s.heads + j * group + g) * s.head_dim;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const Vec o = acc[g][c] * inverse;
+      std::memcpy(out_g + c * kLanes, &o, sizeof(o));
+    }
+  }
+}
+
+// Runs body(0), ..., body(count − 1) on the calling thread and, when it has one, XLA's intra-op
+// thread pool. The caller takes tasks too, so the call finishes even if no pool thread ever starts.
+// A helper that starts after the caller has closed the work returns without touching the caller's
+// stack (`body`): the caller sets `closed`, then waits for `active` to be 0, and a helper raises
+// `active` before it reads `closed` (sequentially consistent atomics: one of the two sees the other).
+template <typename Body>
+void ParallelFor(ffi::ThreadPool& pool, int64_t count, const Body& body) {
+  struct Work {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> active{0};
+    std::atomic<bool> closed{false};
+  };
+  auto work = std::make_shared<Work>();
+  const Body* shared_body = &body;
+  auto drain = [](Work& w, int64_t count, const Body& body) {
+    for (int64_t i; (i = w.next.fetch_add(1)) < count;) body(i);
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
+  for (int64_t h = 0; h < helpers; ++h) {
+    pool.Schedule([work, count, shared_body, drain] {
+      work->active.fetch_add(1);
+      if (!work->closed.load()) drain(*work, count, *shared_body);
+      work->active.fetch_sub(1);
+    });
+  }
+  drain(*work, count, body);
+  work->closed.store(true);
+  while (work->active.load() != 0) std::this_thread::yield();
+}
+
+ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
+                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> num_keys,
+                               ffi::ResultBuffer<ffi::F32> out) {
+  const auto qd = q.dimensions();
+  const auto kd = k.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument("q [batch, time, heads, head_dim], k and v [batch, slots, kv_heads, head_dim]");
+  }
+  const Shape s{qd[0], qd[1], qd[2], kd[2], qd[3], kd[1]};
+  if (kd[0] != s.batch || kd[3] != s.head_dim || s.heads % s.kv_heads != 0 ||
+      s.heads / s.kv_heads > kMaxGroup || s.head_dim > kMaxHeadDim || s.head_dim % kLanes != 0) {
+    return ffi::Error::InvalidArgument("cached attention: unsupported or mismatched shapes");
+  }
+  if (k.element_type() != v.element_type() ||
+      static_cast<int64_t>(num_keys.element_count()) != s.batch * s.time) {
+    return ffi::Error::InvalidArgument("k and v share a dtype; num_keys is [batch, time]");
+  }
+  const int64_t tasks = s.batch * s.time * s.kv_heads;
+  const auto run = [&](auto kv_type, auto group) {
+    using KV = decltype(kv_type);
+    const KV* keys = reinterpret_cast<const KV*>(k.untyped_data());
+    const KV* values = reinterpret_cast<const KV*>(v.untyped_data());
+    ParallelFor(pool, tasks, [&](int64_t task) {
+      AttendOne<KV, decltype(group)::value>(q.typed_data(), keys, values, num_keys.typed_data(),
+                                            out->typed_data(), s, task);
+    });
+  };
+  const auto dispatch = [&](auto kv_type) {
+    switch (s.heads / s.kv_heads) {
+      case 1: return run(kv_type, std::integral_constant<int64_t, 1>{});
+      case 2: return run(kv_type, std::integral_constant<int64_t, 2>{});
+      case 3: return run(kv_type, std::integral_constant<int64_t, 3>{});
+      case 4: return run(kv_type, std::integral_constant<int64_t, 4>{});
+      case 5: return run(kv_type, std::integral_constant<int64_t, 5>{});
+      case 6: return run(kv_type, std::integral_constant<int64_t, 6>{});
+      case 7: return run(kv_type, std::integral_constant<int64_t, 7>{});
+      default: return run(kv_type, std::integral_constant<int64_t, 8>{});
+    }
+  };
+  switch (k.element_type()) {
+    case ffi::DataType::F32:
+      dispatch(float{});
+      return ffi::Error::Success();
+    case ffi::DataType::BF16:
+      dispatch(uint16_t{});  // bfloat16 bits
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("k and v: float32 or bfloat16");
+  }
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SaoCachedAttention, CachedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
