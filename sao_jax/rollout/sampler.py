@@ -20,7 +20,7 @@ token given everything fed so far (`next_logits`). Three calls move it forward:
 A decode step samples token x_t from μ(· | next_logits), records log μ(x_t) and H(μ), feeds x_t into
 the cache and keeps the new logits. So a stop token is in the cache when a row stops, and an
 observation prefilled afterwards continues the same sequence: the history is never re-encoded.
-Randomness is per row: the token that lands in cache slot ℓ of row b is drawn with
+Randomness is per row: the token that lands in cache slot ℓ of row b is drawn (`sample_from`) with
 `fold_in(keys[b], ℓ)`, so a sequence depends only on its own key, not on its batch neighbours, its
 row or how decoding was cut into chunks and windows.
 
@@ -116,6 +116,16 @@ def sampling_log_probs(logits: jax.Array, *, temperature: float = 1.0, top_k: in
             threshold = jnp.take_along_axis(ranked, num_kept - 1, axis=-1)
             z = jnp.where(z >= threshold, z, -jnp.inf)
     return jax.nn.log_softmax(z, axis=-1)
+
+
+def sample_from(key, log_mu: jax.Array) -> jax.Array:
+    """One token (int32) from μ = exp(log_mu) [vocab], by inversion: with u uniform on (0, 1], the
+    first v whose cumulative mass Σ_{w≤v} μ_w reaches u · Σ_w μ_w, so a token with μ_v = 0 is never
+    drawn. One uniform number per token, where `jax.random.categorical` draws a Gumbel variate (two
+    logs) for every vocabulary entry: 0.55 ms of a 32-row decode step on the 2-core CPU."""
+    u = 1.0 - jax.random.uniform(key, ())
+    cumulative = jnp.cumsum(jnp.exp(log_mu))
+    return jnp.sum(cumulative < u * cumulative[-1]).astype(jnp.int32)
 
 
 def entropy_of(log_probs: jax.Array) -> jax.Array:
@@ -287,7 +297,7 @@ class Sampler:
             sampling = active(out)
             log_mu = self.log_probs(next_logits)
             token_keys = jax.vmap(jax.random.fold_in)(keys, cache.lengths)  # the slot each token will take
-            token = jax.vmap(jax.random.categorical)(token_keys, log_mu).astype(jnp.int32)
+            token = jax.vmap(sample_from)(token_keys, log_mu)
             token = jnp.where(sampling, token, 0)
             logprob = jnp.take_along_axis(log_mu, token[:, None], axis=-1)[:, 0]
             logits, cache, _ = model.forward(token[:, None], attention_mask=sampling[:, None], cache=cache)

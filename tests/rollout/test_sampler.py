@@ -12,7 +12,7 @@ from flax import nnx
 
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.models import Policy, tiny_qwen3_moe
-from sao_jax.rollout.sampler import Generation, Sampler, entropy_of, sampling_log_probs, stop_token_ids
+from sao_jax.rollout.sampler import Generation, Sampler, entropy_of, sample_from, sampling_log_probs, stop_token_ids
 
 VOCAB = 97
 NO_STOP = np.full((3, 2), -1, np.int32)
@@ -212,6 +212,23 @@ def test_truncated_sampling_records_the_transformed_distribution(truncating_samp
     _check_against_reference(_teacher_forced(full_logits, histories), [len(p) for p in prompts], generation,
                              temperature=0.7, top_k=12, top_p=0.8)  # fmt: skip
     assert np.ptp(generation.entropy[:, :10]) > 0.1, "degenerate test: every step had the same distribution"
+
+
+def test_sample_from_draws_by_the_distribution_and_never_outside_its_support():
+    """20,000 draws from a fixed μ with zeros (as top-k / top-p leave): frequencies pass a chi-square
+    test at 1e-4 significance, and no token with μ = 0 — first, inner or last — is ever drawn."""
+    from scipy.stats import chi2
+
+    mu = np.zeros(50)
+    mu[[3, 4, 10, 11, 30, 48]] = [0.4, 0.001, 0.2, 0.15, 0.049, 0.2]
+    draws = 20_000
+    tokens = np.asarray(jax.jit(jax.vmap(sample_from, in_axes=(0, None)))(
+        jax.random.split(jax.random.key(0), draws), jnp.log(mu)))  # fmt: skip
+    support = np.flatnonzero(mu)
+    assert tokens.dtype == np.int32 and set(tokens) <= set(support)
+    observed = np.array([np.sum(tokens == v) for v in support])
+    expected = draws * mu[support]
+    assert np.sum((observed - expected) ** 2 / expected) < chi2.ppf(1 - 1e-4, df=len(support) - 1), observed
 
 
 @pytest.mark.slow
