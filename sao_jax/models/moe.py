@@ -5,7 +5,8 @@ Routing is described in `ModelConfig` and implemented in `route`; four dispatche
 `dense_dispatch` (the readable reference), `sorted_dispatch` (tokens grouped by expert for
 `jax.lax.ragged_dot`), `blocked_dispatch` (tokens grouped by expert in fixed-size blocks) — these
 three give the same numbers — and `capacity_dispatch` (a fixed number of slots per expert; the same
-numbers unless an expert overflows, whose extra assignments are dropped).
+numbers unless an expert overflows, whose extra assignments are dropped). Decode steps of "blocked"
+take `gathered_dispatch` (one or two rows) or a dropless `capacity_dispatch` (a few rows per expert).
 """
 
 from __future__ import annotations
@@ -180,6 +181,22 @@ def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, 
     return jnp.einsum("tkd,tk->td", out_pairs, weights.astype(x.dtype))
 
 
+def gathered_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
+    """Each assignment (t, j) runs a copy of its own expert's weights:
+    out_t = Σ_j w_{t,j} · SwiGLU_{e_{t,j}}(x_t), with the weights gathered per assignment.
+
+    It reads tokens·k experts' weights (each twice: gathered, then multiplied) where the batched
+    dispatches read all of them once, so it pays only for very few tokens: a decode step of one or
+    two rows (`MoE.__call__`).
+    """
+    tokens, k = expert_ids.shape
+    chosen = expert_ids.reshape(-1)  # [tokens·k]
+    xs = jnp.repeat(x, k, axis=0)
+    hidden = jax.nn.silu(jnp.einsum("nd,ndf->nf", xs, gate_proj[chosen])) * jnp.einsum("nd,ndf->nf", xs, up_proj[chosen])
+    out = jnp.einsum("nf,nfd->nd", hidden, down_proj[chosen]).reshape(tokens, k, -1)
+    return jnp.einsum("tjd,tj->td", out, weights.astype(x.dtype))
+
+
 def blocked_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     """Dropless grouped dispatch in fixed-size blocks (MegaBlocks-style, without sparse kernels):
     each expert's assignments fill ceil(count_e / B) blocks of B rows (its last block padded), every
@@ -326,6 +343,11 @@ class MoE(nnx.Module):
             capacity = expert_capacity(batch * time, self.config.num_experts_per_token, self.config.num_experts,
                                        self.config.moe_capacity_factor)  # fmt: skip
             dispatch = functools.partial(dispatch, capacity=capacity, token_mask=token_mask.reshape(-1))
+        elif dispatch is blocked_dispatch and 2 * batch * time * self.config.num_experts_per_token <= self.config.num_experts:
+            # One or two rows decoding: copying the few chosen experts' weights reads fewer bytes
+            # than running all of them. d256 MoE at batch 1 on the 2-core CPU: 600 decode tokens/s
+            # instead of 200 (benchmarks/RESULTS.md).
+            dispatch = gathered_dispatch
         elif dispatch is blocked_dispatch and batch * time <= _FEW_TOKENS_PER_EXPERT * self.config.num_experts:
             # A decode step: so few tokens that nearly every expert is hit, and the blocks would be
             # a scan over about two tiny blocks per expert. Capacity slots for every token (nothing

@@ -19,6 +19,7 @@ from sao_jax.models.moe import (
     capacity_slots,
     dense_dispatch,
     expert_capacity,
+    gathered_dispatch,
     load_balancing_loss,
     route,
     sorted_dispatch,
@@ -77,7 +78,7 @@ def test_every_dispatch_matches_reference(tokens, num_experts, k):
 
     reference = _dispatch_reference(x, expert_ids, weights, gate, up, down)
     dropless_capacity = functools.partial(capacity_dispatch, capacity=tokens)
-    for dispatch in (dense_dispatch, sorted_dispatch, dropless_capacity, blocked_dispatch):
+    for dispatch in (dense_dispatch, sorted_dispatch, dropless_capacity, blocked_dispatch, gathered_dispatch):
         out = dispatch(*map(jnp.asarray, (x, expert_ids, weights, gate, up, down)))
         np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-4, atol=1e-4, err_msg=str(dispatch))
 
@@ -127,7 +128,8 @@ def test_all_dispatches_have_the_same_gradients_when_nothing_is_dropped():
     x, expert_ids, weights, params = _dispatch_problem(0)
     tokens = x.shape[0]
     grads_dense = _grads(dense_dispatch, x, expert_ids, weights, params)
-    for dispatch in (sorted_dispatch, functools.partial(capacity_dispatch, capacity=tokens), blocked_dispatch):
+    for dispatch in (sorted_dispatch, functools.partial(capacity_dispatch, capacity=tokens), blocked_dispatch,
+                     gathered_dispatch):  # fmt: skip
         grads = _grads(dispatch, x, expert_ids, weights, params)
         for dense, other in zip(jax.tree.leaves(grads_dense), jax.tree.leaves(grads)):
             np.testing.assert_allclose(np.asarray(other), np.asarray(dense), rtol=1e-5, atol=1e-5,
@@ -283,7 +285,8 @@ def test_load_balancing_loss_matches_transformers_for_one_layer():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("time", [5, 20])  # 10 tokens: "blocked" takes its few-token path; 40: blocks
+# "blocked" with 2 tokens: the gathered experts; 10: the few-token capacity path; 40: blocks
+@pytest.mark.parametrize("time", [1, 5, 20])
 def test_moe_block_is_the_same_with_every_dispatch(time):
     """Same parameters (same init key), every dispatch (capacity with enough slots for all): same
     output at real tokens and same aux loss (GLM routing: groups, correction bias, shared expert)."""
