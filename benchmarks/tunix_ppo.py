@@ -44,6 +44,7 @@ parameters), though Tunix's `MoELayer` runs every expert on every token.
 """
 
 import argparse
+import inspect
 import os
 import statistics
 import time
@@ -58,7 +59,12 @@ from flax import nnx
 from tunix.models.qwen3 import model as qwen3
 from tunix.rl import common
 from tunix.rl import trainer as rl_trainer
-from tunix.rl.ppo import ppo_helpers, ppo_learner
+from tunix.rl.ppo import ppo_learner
+
+try:
+    from tunix.rl.ppo import ppo_helpers
+except ImportError:  # some google-tunix 0.1.7 wheels keep the PPO helpers in algo_core
+    from tunix.rl import algo_core as ppo_helpers
 from tunix.sft import peft_trainer
 
 PAD_ID = 0
@@ -112,8 +118,10 @@ class Qwen3WithValueHead(nnx.Module):
         self.backbone = qwen3.Qwen3(config, rngs=rngs)
         self.value_head = nnx.Linear(config.embed_dim, 1, use_bias=False, rngs=rngs)
 
-    def __call__(self, input_tokens, positions, cache, attention_mask):
-        self.backbone(input_tokens, positions, cache, attention_mask, output_hidden_states=True)
+    def __call__(self, input_tokens, positions, cache, attention_mask=None, segment_ids=None):
+        # later 0.1.7 wheels of `compute_score` may pass segment_ids (packed rows) instead of a mask
+        extra = {} if segment_ids is None else {"segment_ids": segment_ids}
+        self.backbone(input_tokens, positions, cache, attention_mask, output_hidden_states=True, **extra)
         (final_hidden,) = nnx.pop(self.backbone, nnx.Intermediate)["all_hidden_states"].get_value()
         return self.value_head(final_hidden)
 
@@ -210,17 +218,18 @@ def ppo_trainers(
         optimizer = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(learning_rate))
         return rl_trainer.Trainer(model, optimizer, training_config, custom_checkpoint_metadata_fn=dict)
 
-    actor_trainer = trainer(actor).with_loss_fn(
-        ppo_learner.registry.get("policy_loss_fn", ppo_config.policy_loss_fn), has_aux=True
-    )
-    actor_trainer.with_gen_model_input_fn(
-        lambda example: {
-            "train_example": example, "epsilon_low": ppo_config.epsilon_low, "epsilon_high": ppo_config.epsilon_high,
-            "epsilon_c": ppo_config.epsilon_c, "entropy_coef": ppo_config.entropy_coef, "pad_id": PAD_ID,
-            "eos_id": EOS_ID,
-        }  # fmt: skip
-    )
-    critic_trainer = trainer(critic).with_loss_fn(ppo_learner.ppo_value_loss_fn, has_aux=True)
+    policy_loss = ppo_learner.registry.get("policy_loss_fn", ppo_config.policy_loss_fn)
+    if "algo_config" in inspect.signature(policy_loss).parameters:  # later 0.1.7 wheels read the config
+        clip = {"algo_config": ppo_config}
+    else:
+        clip = {"epsilon_low": ppo_config.epsilon_low, "epsilon_high": ppo_config.epsilon_high,
+                "epsilon_c": ppo_config.epsilon_c, "entropy_coef": ppo_config.entropy_coef}  # fmt: skip
+    actor_trainer = trainer(actor).with_loss_fn(policy_loss, has_aux=True)
+    actor_trainer.with_gen_model_input_fn(lambda example: {"train_example": example, "pad_id": PAD_ID,
+                                                           "eos_id": EOS_ID, **clip})  # fmt: skip
+    value_loss = (ppo_learner.registry.get("value_loss_fn", ppo_config.value_loss_fn)
+                  if hasattr(ppo_config, "value_loss_fn") else ppo_learner.ppo_value_loss_fn)
+    critic_trainer = trainer(critic).with_loss_fn(value_loss, has_aux=True)
     critic_trainer.with_gen_model_input_fn(
         lambda example: {
             "train_example": example, "clip_range_value": ppo_config.clip_range_value, "pad_id": PAD_ID,
