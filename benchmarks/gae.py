@@ -44,8 +44,11 @@ from sao_jax.advantages import _resolve_method, masked_whiten, skip_observation_
 
 try:
     from tunix.rl.ppo import ppo_helpers as tunix_ppo
-except ImportError:  # the bench extra is not installed
-    tunix_ppo = None
+except ImportError:
+    try:  # some google-tunix 0.1.7 wheels keep the PPO helpers in algo_core
+        from tunix.rl import algo_core as tunix_ppo
+    except ImportError:  # the bench extra is not installed
+        tunix_ppo = None
 try:
     import rlax
 except ImportError:
