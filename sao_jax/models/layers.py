@@ -195,8 +195,9 @@ def cached_attention(q, k, v, layout: AttentionLayout):
     kernel does not take, no C++ compiler — runs the einsum.
     """
     group, head_dim = q.shape[2] // k.shape[2], q.shape[3]
-    kernel = (q.shape[1] == 1 and k.dtype in (jnp.float32, jnp.bfloat16) and group <= 8 and head_dim % 8 == 0
-              and head_dim <= 256 and jax.default_backend() == "cpu" and native.cached_attention_available())  # fmt: skip
+    kernel = (q.shape[1] == 1 and k.dtype in (jnp.float32, jnp.bfloat16) and group <= 8
+              and head_dim % 8 == 0 and head_dim <= 256  # what the kernel takes
+              and jax.default_backend() == "cpu" and native.cached_attention_available())  # fmt: skip
     if not kernel:
         return dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
     call = jax.ffi.ffi_call(native.CACHED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),

@@ -192,7 +192,8 @@ def gathered_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     tokens, k = expert_ids.shape
     chosen = expert_ids.reshape(-1)  # [tokens·k]
     xs = jnp.repeat(x, k, axis=0)
-    hidden = jax.nn.silu(jnp.einsum("nd,ndf->nf", xs, gate_proj[chosen])) * jnp.einsum("nd,ndf->nf", xs, up_proj[chosen])
+    gate = jnp.einsum("nd,ndf->nf", xs, gate_proj[chosen])
+    hidden = jax.nn.silu(gate) * jnp.einsum("nd,ndf->nf", xs, up_proj[chosen])
     out = jnp.einsum("nf,nfd->nd", hidden, down_proj[chosen]).reshape(tokens, k, -1)
     return jnp.einsum("tjd,tj->td", out, weights.astype(x.dtype))
 
@@ -339,11 +340,12 @@ class MoE(nnx.Module):
         bias = self.router.e_score_correction_bias
         expert_ids, weights, scores = route(self.router(flat), None if bias is None else bias[...], self.config)
         dispatch = DISPATCHES[self.config.moe_dispatch]
+        experts = self.config.num_experts
         if dispatch is capacity_dispatch:  # slots are sized per call; padding tokens take none
             capacity = expert_capacity(batch * time, self.config.num_experts_per_token, self.config.num_experts,
                                        self.config.moe_capacity_factor)  # fmt: skip
             dispatch = functools.partial(dispatch, capacity=capacity, token_mask=token_mask.reshape(-1))
-        elif dispatch is blocked_dispatch and 2 * batch * time * self.config.num_experts_per_token <= self.config.num_experts:
+        elif dispatch is blocked_dispatch and 2 * batch * time * self.config.num_experts_per_token <= experts:
             # One or two rows decoding: copying the few chosen experts' weights reads fewer bytes
             # than running all of them. d256 MoE at batch 1 on the 2-core CPU: 600 decode tokens/s
             # instead of 200 (benchmarks/RESULTS.md).

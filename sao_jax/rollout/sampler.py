@@ -3,8 +3,8 @@
 The sampler is a set of pure jitted functions over `(params, DecodeState)`, where `params` is the
 state half of `nnx.split(policy)`: new weights can be passed to any call (the rollout engine publishes
 versions between decode chunks) without recompiling. `prefill` compiles once per (batch, max_len,
-chunk width), `decode_chunk` once per (batch, max_len, window) with windows from `window_for` (powers
-of two: a handful per cache length); the sampling settings are fixed per `Sampler`.
+chunk width), `decode_chunk` once per (batch, max_len, window) with windows from `window_for` (four
+sizes per octave); the sampling settings are fixed per `Sampler`.
 
 The state of a batch of rows (one sequence each) is the KV cache plus, per row, the logits of the next
 token given everything fed so far (`next_logits`). Three calls move it forward:
