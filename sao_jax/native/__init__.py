@@ -5,9 +5,9 @@ Two kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row, 
 on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI headers that
 ship with jaxlib, for this machine's CPU (`-march=native`), cached as `<cache>/<name>-<hash>.so`
 (the hash covers the source, the jaxlib version, the compiler and the CPU), then registered with
-`jax.ffi.register_ffi_target` for the CPU platform. `<cache>` is `$SAO_JAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sao_jax/kernels`, else
-`~/.cache/sao_jax/kernels`. Concurrent builds (several processes) each write a private file and
-rename it into place, so a reader never sees half a library.
+`jax.ffi.register_ffi_target` for the CPU platform. `<cache>` is `$SAO_JAX_KERNEL_CACHE`, else
+`$XDG_CACHE_HOME/sao_jax/kernels`, else `~/.cache/sao_jax/kernels`. Concurrent builds (several
+processes) each write a private file and rename it into place, so a reader never sees half a library.
 
 Without a compiler a kernel is unavailable: `gae_kernel_available()` / `cached_attention_available()`
 say so, log why once, and the callers fall back to their XLA paths (same results).

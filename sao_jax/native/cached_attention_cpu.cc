@@ -19,7 +19,6 @@
 #include <memory>
 #include <thread>
 #include <type_traits>
-#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
