@@ -1,13 +1,15 @@
-"""Sampling throughput: our jitted KV-cache sampler against transformers `generate` (torch, CPU), on
-identical weights, side by side in one run.
+"""Sampling throughput: our jitted KV-cache sampler against transformers `generate` (torch, CPU) and
+Tunix's native sampler, on identical weights, side by side in one run.
 
     python benchmarks/sampler.py            # the full shapes (minutes; run it on an idle machine)
     python benchmarks/sampler.py --quick    # a tiny model and short sequences: a smoke test
     python benchmarks/sampler.py --models d256 --batches 32 --repeats 5
 
-For each model a random Qwen3-MoE policy is written with `save_pretrained` and both sides load that
-folder (ours with `from_pretrained`, transformers with `AutoModelForCausalLM.from_pretrained`), so
-the weights are the same bytes; a full forward of one prompt is compared first (max |Δ logit|).
+For each model a random Qwen3-MoE policy is written with `save_pretrained` and every side loads that
+folder (ours with `from_pretrained`, transformers with `AutoModelForCausalLM.from_pretrained`, Tunix
+with its Qwen3 `create_model_from_safe_tensors`), so the weights are the same bytes; a full forward
+of one prompt is compared first (max |Δ logit|). RoPE θ is Qwen3's 1e6 because Tunix's Qwen3 applies
+RoPE with that θ whatever its config says (tunix 0.1.7).
 Each run: a batch of random prompts of `--prompt-len` tokens, then `--new-tokens` sampled tokens per
 row at temperature 1 with no top-k / top-p and no stop token (so every row decodes the same count).
 Times are medians of `--repeats` runs after one warm-up run (compilation excluded).
@@ -18,8 +20,11 @@ Columns:
   ours decode tok/s  the same, counting only the decode part (prefill timed separately)
   hf tok/s           batch · new tokens / time of `model.generate(do_sample=True, top_k=0,
                      min_new_tokens=max_new_tokens)` (prefill + decode), float32, torch.no_grad
-  ratio              ours tok/s / hf tok/s (> 1: ours is faster)
-Tunix's native sampler is not included (it would need its own Qwen3-MoE weight mapping).
+  tunix tok/s        batch · new tokens / time of Tunix's `Sampler.__call__` (prefill + decode, one
+                     jit each; temperature 1, top_p 1: its `jax.random.categorical` path), float32;
+                     prompts are given as token ids through a pass-through tokenizer. Blank without
+                     the `bench` extra. MoE layers run Tunix's CPU fallback, which computes every expert.
+  ratio              ours tok/s / hf tok/s (> 1: ours is faster); `vs tunix` the same against Tunix
 """
 
 import argparse
@@ -42,7 +47,7 @@ def bench_config(hidden_size: int, num_layers: int, vocab_size: int = 1024) -> M
         model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=hidden_size, num_layers=num_layers,
         num_heads=hidden_size // 64, num_kv_heads=max(1, hidden_size // 128), head_dim=64,
         intermediate_size=4 * hidden_size, max_position_embeddings=4096, num_experts=8, num_experts_per_token=2,
-        moe_intermediate_size=2 * hidden_size, norm_topk_prob=True,
+        moe_intermediate_size=2 * hidden_size, norm_topk_prob=True, rope_theta=1e6,
         moe_dispatch="blocked",  # exact, and the fastest exact dispatch on XLA:CPU (benchmarks/model.py)
     )  # fmt: skip
 
@@ -104,6 +109,72 @@ def bench_hf(hf_model, prompts, new_tokens: int, repeats: int) -> float:
     return median_time(run, repeats)
 
 
+class _TokenIds:
+    """A pass-through "tokenizer" for Tunix's sampler: prompts are space-separated token ids."""
+
+    def encode(self, text):
+        return [int(token) for token in text.split()]
+
+    def decode(self, ids):
+        return " ".join(map(str, ids))
+
+    def bos_id(self):
+        return 0  # falsy: Tunix then prepends nothing
+
+    def eos_id(self):
+        return -1  # never sampled: every row decodes the full budget
+
+    def pad_id(self):
+        return 0  # prompts draw ids from 3 up, so no prompt token is taken for padding
+
+
+def load_tunix(folder: str, config: ModelConfig):
+    """Tunix's Qwen3 (dense, or MoE in every layer) on the weights in `folder`; None without tunix."""
+    try:
+        from tunix.models.qwen3 import model as qwen3, params as qwen3_params
+    except ImportError:
+        return None
+    dense = not config.num_experts or set(config.dense_layers) == set(range(config.num_layers))
+    if not dense and config.dense_layers:
+        return None  # Tunix's Qwen3 has no per-layer mix of dense and MoE
+    tunix_config = qwen3.ModelConfig(
+        num_layers=config.num_layers, vocab_size=config.vocab_size, embed_dim=config.hidden_size,
+        hidden_dim=config.intermediate_size if dense else config.moe_intermediate_size,
+        num_heads=config.num_heads, head_dim=config.head_dim, num_kv_heads=config.num_kv_heads,
+        rope_theta=int(config.rope_theta), norm_eps=config.rms_norm_eps,
+        use_tied_embedding=config.tie_word_embeddings, num_experts=None if dense else config.num_experts,
+        num_experts_per_tok=None if dense else config.num_experts_per_token,
+    )  # fmt: skip
+    return qwen3_params.create_model_from_safe_tensors(folder, tunix_config)
+
+
+def bench_tunix(model, config: ModelConfig, prompts, new_tokens: int, repeats: int) -> float:
+    from tunix.generate import sampler as tunix_sampler
+
+    batch, prompt_len = prompts.shape
+    cache = tunix_sampler.CacheConfig(cache_size=prompt_len + new_tokens, num_layers=config.num_layers,
+                                      num_kv_heads=config.num_kv_heads, head_dim=config.head_dim)  # fmt: skip
+    sampler = tunix_sampler.Sampler(model, _TokenIds(), cache)
+    texts = [" ".join(map(str, row)) for row in prompts]
+
+    def run():
+        out = sampler(texts, max_generation_steps=new_tokens, max_prompt_length=prompt_len, temperature=1.0,
+                      top_p=1.0, eos_tokens=[-1], seed=0, pad_output=True)  # fmt: skip
+        assert all(len(tokens) == new_tokens for tokens in out.tokens)
+
+    return median_time(run, repeats)
+
+
+def tunix_logit_gap(policy, tunix_model, prompt) -> float:
+    import jax.numpy as jnp
+
+    length = len(prompt)
+    ours = np.asarray(policy(prompt[None]))
+    causal = jnp.tril(jnp.ones((1, length, length), bool))
+    theirs, _ = tunix_model(jnp.asarray(prompt[None]), jnp.arange(length)[None], None, causal)
+    return float(np.max(np.abs(ours - np.asarray(theirs))))
+
+
 def logit_gap(policy, hf_model, prompt) -> float:
     import torch
 
@@ -133,24 +204,32 @@ def main():
 
     print(f"prompt {prompt_len} + {new_tokens} new tokens, median of {repeats}, JAX {jax.default_backend()}")
     header = (f"{'model':>10} {'params':>8} {'active':>8} {'batch':>5} {'ours tok/s':>11} {'ours decode tok/s':>18} "
-              f"{'hf tok/s':>9} {'ratio':>6}")  # fmt: skip
+              f"{'hf tok/s':>9} {'ratio':>6} {'tunix tok/s':>12} {'vs tunix':>9}")  # fmt: skip
     rows = []
     for name, config in models.items():
         with tempfile.TemporaryDirectory() as folder:
             save_pretrained(Policy(config, rngs=nnx.Rngs(0)), folder)
             policy = from_pretrained(folder, moe_dispatch=config.moe_dispatch)  # the folder does not carry it
             hf_model = AutoModelForCausalLM.from_pretrained(folder).eval()
+            tunix_model = load_tunix(folder, config)
         rng = np.random.default_rng(0)
-        gap = logit_gap(policy, hf_model, rng.integers(3, config.vocab_size, prompt_len).astype(np.int32))
-        print(f"{name}: max |ours - transformers| logit on a {prompt_len}-token prompt = {gap:.2e}")
+        prompt = rng.integers(3, config.vocab_size, prompt_len).astype(np.int32)
+        print(f"{name}: max |ours - transformers| logit on a {prompt_len}-token prompt = "
+              f"{logit_gap(policy, hf_model, prompt):.2e}", end="")  # fmt: skip
+        print("" if tunix_model is None else f"; ours - tunix = {tunix_logit_gap(policy, tunix_model, prompt):.2e}")
         for batch in batches:
             prompts = rng.integers(3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
             total, prefill = bench_ours(policy, prompts, new_tokens, args.chunk, repeats)
             hf_time = bench_hf(hf_model, prompts, new_tokens, repeats)
             produced = batch * new_tokens
+            tunix = ""
+            if tunix_model is not None:
+                tunix_time = bench_tunix(tunix_model, config, prompts, new_tokens, repeats)
+                tunix = f"{produced / tunix_time:>12.0f} {tunix_time / total:>9.1f}"
             total_m, active_m = param_count(config) / 1e6, param_count(config, active=True) / 1e6
             rows.append(f"{name:>10} {total_m:>7.1f}M {active_m:>7.1f}M {batch:>5} {produced / total:>11.0f} "
-                        f"{produced / (total - prefill):>18.0f} {produced / hf_time:>9.0f} {hf_time / total:>6.1f}")
+                        f"{produced / (total - prefill):>18.0f} {produced / hf_time:>9.0f} {hf_time / total:>6.1f} "
+                        f"{tunix}")  # fmt: skip
             print(rows[-1] if len(rows) > 1 else header + "\n" + rows[-1], flush=True)
     print("\n" + header + "\n" + "\n".join(rows))
 
