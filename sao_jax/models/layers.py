@@ -149,6 +149,13 @@ class AttentionLayout:
         return AttentionLayout(allowed=allowed, write_slots=write_slots, token_mask=token_mask, num_keys=num_keys)
 
 
+def write_cache(cache: jax.Array, new: jax.Array, slots: jax.Array) -> jax.Array:
+    """cache [batch, max_len, kv_heads, head_dim] with cache[b, slots[b, t]] = new[b, t] (cast to the
+    cache's dtype); slots >= max_len are dropped."""
+    batch_index = jnp.arange(cache.shape[0])[:, None]
+    return cache.at[batch_index, slots].set(new.astype(cache.dtype), mode="drop")
+
+
 def dot_product_attention(q, k, v, allowed):
     """softmax(q·kᵀ / sqrt(head_dim) masked by `allowed`) · v with grouped-query heads.
 
@@ -183,26 +190,39 @@ def causal_attention(q, k, v, allowed):
     return jnp.concatenate(blocks, axis=1)
 
 
-def cached_attention(q, k, v, layout: AttentionLayout):
-    """`dot_product_attention` of a chunk over a KV cache k, v [batch, slots, kv_heads, head_dim].
+def cached_attention(q, k, v, cache_kv, layout: AttentionLayout):
+    """The chunk's keys and values k, v [batch, time, kv_heads, head_dim] written into
+    `cache_kv = (keys, values)` [batch, slots, kv_heads, head_dim] at `layout.write_slots`
+    (`write_cache`), then `dot_product_attention` of q over the cache. Returns (out, cache_kv).
 
-    A decode step (one query per row) on the CPU runs the native kernel
-    (`sao_jax/native/cached_attention_cpu.cc`): it reads each slot a query attends once, in the
-    cache's layout, where the einsum makes XLA:CPU copy every layer's whole K and V into the layouts
-    of its batched dots. Same numbers up to float rounding, except that a query attending no slot
-    (a row never fed, whose output nothing reads) gets 0 instead of the einsum's average over all
-    slots. Everything else — several queries per row, other backends, a float16 cache, shapes the
-    kernel does not take, no C++ compiler — runs the einsum.
+    A decode step (one query per row) on the CPU runs both in the native kernel
+    (`sao_jax/native/cached_attention_cpu.cc`), in place on the cache: it writes only the new slots
+    (XLA:CPU scatters into a bfloat16 cache by converting all of it to float32 and back) and reads
+    each slot a query attends once, in the cache's layout (the einsum makes XLA:CPU copy every
+    layer's whole K and V into the layouts of its batched dots). Same numbers up to float rounding,
+    except that a query attending no slot (a row never fed, whose output nothing reads) gets 0
+    instead of the einsum's average over all slots. Everything else — several queries per row,
+    other backends, a float16 cache, shapes the kernel does not take, no C++ compiler — runs the
+    scatter and the einsum.
     """
-    group, head_dim = q.shape[2] // k.shape[2], q.shape[3]
-    kernel = (q.shape[1] == 1 and k.dtype in (jnp.float32, jnp.bfloat16) and group <= 8
+    cache_k, cache_v = cache_kv
+    group, head_dim = q.shape[2] // cache_k.shape[2], q.shape[3]
+    kernel = (q.shape[1] == 1 and cache_k.dtype in (jnp.float32, jnp.bfloat16) and group <= 8
               and head_dim % 8 == 0 and head_dim <= 256  # what the kernel takes
               and jax.default_backend() == "cpu" and native.cached_attention_available())  # fmt: skip
     if not kernel:
-        return dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), layout.allowed)
-    call = jax.ffi.ffi_call(native.CACHED_ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32),
+        cache_k, cache_v = write_cache(cache_k, k, layout.write_slots), write_cache(cache_v, v, layout.write_slots)
+        out = dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), layout.allowed)
+        return out, (cache_k, cache_v)
+    results = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
+               jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype))  # fmt: skip
+    call = jax.ffi.ffi_call(native.CACHED_ATTENTION_TARGET, results, input_output_aliases={5: 1, 6: 2},
                             vmap_method="sequential")  # fmt: skip
-    return call(q.astype(jnp.float32), k, v, layout.num_keys.astype(jnp.int32)).astype(q.dtype)
+    dtype = q.dtype
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    out, cache_k, cache_v = call(q, k, v, layout.write_slots.astype(jnp.int32), layout.num_keys.astype(jnp.int32),
+                                 cache_k, cache_v)  # fmt: skip
+    return out.astype(dtype), (cache_k, cache_v)
 
 
 def splash_attention(q, k, v, token_mask):
@@ -315,15 +335,9 @@ class Attention(nnx.Module):
         q = apply_rope(q, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
         k = apply_rope(k, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
         if cache_kv is not None:
-            batch_index = jnp.arange(x.shape[0])[:, None]
-            cache_k, cache_v = cache_kv
-            k = cache_k.at[batch_index, layout.write_slots].set(k.astype(cache_k.dtype), mode="drop")
-            v = cache_v.at[batch_index, layout.write_slots].set(v.astype(cache_v.dtype), mode="drop")
-            cache_kv = (k, v)
-        if self.splash and cache_kv is None:
+            out, cache_kv = cached_attention(q, k, v, cache_kv, layout)
+        elif self.splash:
             out = splash_attention(q, k, v, layout.token_mask)
-        elif cache_kv is None:
-            out = causal_attention(q, k, v, layout.allowed)
         else:
-            out = cached_attention(q, k, v, layout)
+            out = causal_attention(q, k, v, layout.allowed)
         return self.o_proj(out), cache_kv

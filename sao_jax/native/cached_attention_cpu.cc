@@ -1,14 +1,22 @@
-// Attention of a few queries over a KV cache on the CPU, as one XLA FFI call: each key and value
-// slot is read once, in the cache's own [batch, slots, kv_heads, head_dim] layout.
+// A decode step's attention over a KV cache on the CPU, as one XLA FFI call: the chunk's new keys
+// and values are written into the cache (in place: the cache arguments alias the results), then
+// each query attends the cache, each key and value slot read once, in the cache's own
+// [batch, slots, kv_heads, head_dim] layout.
 //
-// For query head h of row b, query t, with kv head j = h / (heads / kv_heads) and n = num_keys[b, t]:
+// Write: cache[b, write_slots[b, t]] = new[b, t] for write_slots[b, t] < slots (others dropped),
+// rounded to nearest even when the cache is bfloat16 (what XLA's convert does).
+// Attend: for query head h of row b, query t, with kv head j = h / (heads / kv_heads) and
+// n = num_keys[b, t]:
 //   s_i = q · k_i / sqrt(head_dim)                        for cache slots i < n
 //   out = Σ_{i<n} exp(s_i − max s) · v_i / Σ_{i<n} exp(s_i − max s)     (0 when n = 0)
-// which is `layers.dot_product_attention` with `allowed` = the first n slots.
+// which is `layers.write_cache` then `layers.dot_product_attention` with `allowed` = the first n
+// slots.
 // Why a kernel: a decode step's einsum attention makes XLA:CPU copy every layer's K and V into
 // the layouts its batched dots want, and those dots (two query heads per kv head, one query) run
 // far below the memory bandwidth; here one task per (row, query, kv head) reads its slots in
-// place — the step is then bound by reading the cache once.
+// place — the step is then bound by reading the cache once. XLA:CPU also scatters into a
+// bfloat16 cache by converting all of it to float32 and back; the write here touches only the new
+// slots.
 // The tasks are spread over XLA's intra-op thread pool when it has one.
 
 #include <algorithm>
@@ -71,6 +79,16 @@ inline Vec Load(const uint16_t* p) {  // 8 bfloat16 values, widened
   Vec v;
   std::memcpy(&v, bits, sizeof(v));
   return v;
+}
+inline void Store(float x, float* p) { *p = x; }
+inline void Store(float x, uint16_t* p) {  // bfloat16 bits, rounded to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7fffffffu) > 0x7f800000u) {
+    *p = static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays a (quiet) NaN
+    return;
+  }
+  *p = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 inline float Sum(Vec v) {
   float total = 0.0f;
@@ -187,28 +205,48 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t count, const Body& body) {
   while (work->active.load() != 0) std::this_thread::yield();
 }
 
-ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k,
-                               ffi::AnyBuffer v, ffi::Buffer<ffi::S32> num_keys,
-                               ffi::ResultBuffer<ffi::F32> out) {
+ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> new_k,
+                               ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> write_slots,
+                               ffi::Buffer<ffi::S32> num_keys, ffi::AnyBuffer, ffi::AnyBuffer,
+                               ffi::ResultBuffer<ffi::F32> out, ffi::Result<ffi::AnyBuffer> k,
+                               ffi::Result<ffi::AnyBuffer> v) {
+  // The cache arguments alias the results k and v: both are read and written through the results.
   const auto qd = q.dimensions();
-  const auto kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 4 || v.dimensions().size() != 4) {
-    return ffi::Error::InvalidArgument("q [batch, time, heads, head_dim], k and v [batch, slots, kv_heads, head_dim]");
+  const auto kd = k->dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || v->dimensions().size() != 4 || new_k.dimensions().size() != 4) {
+    return ffi::Error::InvalidArgument(
+        "q [batch, time, heads, head_dim], new k and v [batch, time, kv_heads, head_dim], "
+        "caches [batch, slots, kv_heads, head_dim]");
   }
   const Shape s{qd[0], qd[1], qd[2], kd[2], qd[3], kd[1]};
   if (kd[0] != s.batch || kd[3] != s.head_dim || s.heads % s.kv_heads != 0 ||
       s.heads / s.kv_heads > kMaxGroup || s.head_dim > kMaxHeadDim || s.head_dim % kLanes != 0) {
     return ffi::Error::InvalidArgument("cached attention: unsupported or mismatched shapes");
   }
-  if (k.element_type() != v.element_type() ||
-      static_cast<int64_t>(num_keys.element_count()) != s.batch * s.time) {
-    return ffi::Error::InvalidArgument("k and v share a dtype; num_keys is [batch, time]");
+  const int64_t per_token = s.kv_heads * s.head_dim;
+  if (k->element_type() != v->element_type() ||
+      static_cast<int64_t>(num_keys.element_count()) != s.batch * s.time ||
+      static_cast<int64_t>(write_slots.element_count()) != s.batch * s.time ||
+      static_cast<int64_t>(new_k.element_count()) != s.batch * s.time * per_token ||
+      new_v.element_count() != new_k.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "k and v caches share a dtype; write_slots and num_keys are [batch, time]; new k and v are "
+        "[batch, time, kv_heads, head_dim]");
   }
   const int64_t tasks = s.batch * s.time * s.kv_heads;
   const auto run = [&](auto kv_type, auto group) {
     using KV = decltype(kv_type);
-    const KV* keys = reinterpret_cast<const KV*>(k.untyped_data());
-    const KV* values = reinterpret_cast<const KV*>(v.untyped_data());
+    KV* keys = reinterpret_cast<KV*>(k->untyped_data());
+    KV* values = reinterpret_cast<KV*>(v->untyped_data());
+    for (int64_t bt = 0; bt < s.batch * s.time; ++bt) {  // the writes, before any task reads
+      const int64_t slot = write_slots.typed_data()[bt];
+      if (slot < 0 || slot >= s.slots) continue;
+      const int64_t at = ((bt / s.time) * s.slots + slot) * per_token;
+      for (int64_t i = 0; i < per_token; ++i) {
+        Store(new_k.typed_data()[bt * per_token + i], keys + at + i);
+        Store(new_v.typed_data()[bt * per_token + i], values + at + i);
+      }
+    }
     ParallelFor(pool, tasks, [&](int64_t task) {
       AttendOne<KV, decltype(group)::value>(q.typed_data(), keys, values, num_keys.typed_data(),
                                             out->typed_data(), s, task);
@@ -226,7 +264,7 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       default: return run(kv_type, std::integral_constant<int64_t, 8>{});
     }
   };
-  switch (k.element_type()) {
+  switch (k->element_type()) {
     case ffi::DataType::F32:
       dispatch(float{});
       return ffi::Error::Success();
@@ -243,8 +281,13 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SaoCachedAttention, CachedAttentionImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new k
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // new v
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // write_slots
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_keys
+                                  .Arg<ffi::AnyBuffer>()         // k cache (aliases result 1)
+                                  .Arg<ffi::AnyBuffer>()         // v cache (aliases result 2)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Ret<ffi::AnyBuffer>()         // k cache
+                                  .Ret<ffi::AnyBuffer>());       // v cache
