@@ -198,6 +198,26 @@ def gathered_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     return jnp.einsum("tjd,tj->td", out, weights.astype(x.dtype))
 
 
+def few_tokens_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
+    """Dropless capacity dispatch for a decode step's few tokens: `capacity_dispatch` with
+    C = min(tokens, 2 · ceil(tokens · k / experts)) slots per expert (twice an even share) when no
+    expert got more than C assignments, else with C = tokens (room for every token). Nothing is
+    dropped either way, so out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t) as in
+    `dense_dispatch`; with a router near balance the first branch runs, at 2 · tokens · k
+    token-expert products instead of experts · tokens. d256 MoE decoding 32 rows on the 2-core
+    CPU: 20.2 ms a step instead of 22.4 (the step reads every expert's weights either way).
+    """
+    tokens, k = expert_ids.shape
+    num_experts = gate_proj.shape[0]
+    small = min(tokens, 2 * -(-tokens * k // num_experts))
+    args = (x, expert_ids, weights, gate_proj, up_proj, down_proj)
+    if small == tokens:
+        return capacity_dispatch(*args, capacity=tokens)
+    most = jnp.max(jnp.bincount(expert_ids.reshape(-1), length=num_experts))
+    return jax.lax.cond(most <= small, functools.partial(capacity_dispatch, capacity=small),
+                        functools.partial(capacity_dispatch, capacity=tokens), *args)  # fmt: skip
+
+
 def blocked_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     """Dropless grouped dispatch in fixed-size blocks (MegaBlocks-style, without sparse kernels):
     each expert's assignments fill ceil(count_e / B) blocks of B rows (its last block padded), every
@@ -352,10 +372,9 @@ class MoE(nnx.Module):
             dispatch = gathered_dispatch
         elif dispatch is blocked_dispatch and batch * time <= _FEW_TOKENS_PER_EXPERT * self.config.num_experts:
             # A decode step: so few tokens that nearly every expert is hit, and the blocks would be
-            # a scan over about two tiny blocks per expert. Capacity slots for every token (nothing
-            # dropped: the same numbers) run all experts in one batched matmul: 1.1x the decode
-            # tokens/s of d256 MoE at batch 32 on the 2-core CPU (benchmarks/RESULTS.md).
-            dispatch = functools.partial(capacity_dispatch, capacity=batch * time)
+            # a scan over about two tiny blocks per expert. Dropless capacity slots (the same
+            # numbers) run all experts in one batched matmul.
+            dispatch = few_tokens_dispatch
         dtype = x.dtype
         out = dispatch(flat, expert_ids, weights, self.experts.gate_proj[...].astype(dtype),
                        self.experts.up_proj[...].astype(dtype), self.experts.down_proj[...].astype(dtype))  # fmt: skip

@@ -19,6 +19,7 @@ from sao_jax.models.moe import (
     capacity_slots,
     dense_dispatch,
     expert_capacity,
+    few_tokens_dispatch,
     gathered_dispatch,
     load_balancing_loss,
     route,
@@ -78,7 +79,8 @@ def test_every_dispatch_matches_reference(tokens, num_experts, k):
 
     reference = _dispatch_reference(x, expert_ids, weights, gate, up, down)
     dropless_capacity = functools.partial(capacity_dispatch, capacity=tokens)
-    for dispatch in (dense_dispatch, sorted_dispatch, dropless_capacity, blocked_dispatch, gathered_dispatch):
+    for dispatch in (dense_dispatch, sorted_dispatch, dropless_capacity, blocked_dispatch, gathered_dispatch,
+                     few_tokens_dispatch):  # fmt: skip
         out = dispatch(*map(jnp.asarray, (x, expert_ids, weights, gate, up, down)))
         np.testing.assert_allclose(np.asarray(out), reference, rtol=1e-4, atol=1e-4, err_msg=str(dispatch))
 
@@ -102,6 +104,25 @@ def test_blocked_dispatch_fits_extreme_routings(routing):
     gate, up = (rng.normal(size=(num_experts, d, f)).astype(np.float32) for _ in range(2))
     down = rng.normal(size=(num_experts, f, d)).astype(np.float32)
     out = blocked_dispatch(*map(jnp.asarray, (x, expert_ids, weights, gate, up, down)))
+    expected = _dispatch_reference(x, expert_ids, weights, gate, up, down)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("routing", ["balanced", "all_on_two_experts"])
+def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(routing):
+    """32 tokens, top 2 of 8 experts: 16 slots per expert suffice for a balanced routing (8 each);
+    with every token on experts 0 and 1 (32 each) it must take the room-for-every-token branch."""
+    rng = np.random.default_rng(3)
+    tokens, num_experts, d, f = 32, 8, 8, 5
+    expert_ids = {
+        "balanced": np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], axis=1),
+        "all_on_two_experts": np.tile(np.array([[0, 1]]), (tokens, 1)),
+    }[routing].astype(np.int32)
+    x = rng.normal(size=(tokens, d)).astype(np.float32)
+    weights = rng.uniform(0.1, 1.0, (tokens, 2)).astype(np.float32)
+    gate, up = (rng.normal(size=(num_experts, d, f)).astype(np.float32) for _ in range(2))
+    down = rng.normal(size=(num_experts, f, d)).astype(np.float32)
+    out = jax.jit(few_tokens_dispatch)(*map(jnp.asarray, (x, expert_ids, weights, gate, up, down)))
     expected = _dispatch_reference(x, expert_ids, weights, gate, up, down)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
