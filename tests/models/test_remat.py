@@ -23,7 +23,7 @@ def _loss_and_grads(remat: bool):
         return loss(nnx.merge(graph, params, rest))
 
     jaxpr = str(jax.make_jaxpr(jax.grad(pure))(params))
-    value, grads = jax.value_and_grad(pure)(params)
+    value, grads = jax.jit(jax.value_and_grad(pure))(params)  # one compile, not op-by-op dispatch
     return value, grads, jaxpr
 
 
