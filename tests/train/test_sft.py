@@ -44,7 +44,8 @@ def test_sft_update_minimises_the_action_token_nll():
     graph, params, buffers = split_model(policy)
 
     # the reported NLL equals a numpy log-softmax over the action tokens (read one position back)
-    logits = np.asarray(policy(jnp.asarray(batch.tokens), attention_mask=jnp.asarray(batch.valid_mask)), np.float64)
+    forward = nnx.jit(lambda model, tokens, mask: model(tokens, attention_mask=mask))  # one compile, not op by op
+    logits = np.asarray(forward(policy, jnp.asarray(batch.tokens), jnp.asarray(batch.valid_mask)), np.float64)
     logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
     picked = np.take_along_axis(logits[:, :-1], batch.tokens[:, 1:, None], axis=-1)[..., 0] - logz[:, :-1]
     expected = -picked[batch.action_mask[:, 1:]].mean()
