@@ -64,7 +64,7 @@ def test_chunked_logprob_gradients_equal_the_whole_logits_gradients(policy_and_t
     def chunked(params):
         return jnp.sum(weights * nnx.merge(graph, params, rest).token_logprobs(tokens, mask, chunk=5)[0])
 
-    want, got = jax.grad(whole)(params), jax.grad(chunked)(params)
+    want, got = jax.jit(jax.grad(whole))(params), jax.jit(jax.grad(chunked))(params)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), got, want)
 
 
