@@ -3,6 +3,8 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
+# pytest-xdist workers; each takes whole test files (tests/conftest.py starts the longest first).
+TEST_WORKERS ?= 2
 
 .PHONY: train test test-fast bench clean
 
@@ -27,10 +29,10 @@ train: $(VENV)/.runtime
 	$(BIN)/sao-train $(ARGS)
 
 test: $(VENV)/.dev
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 test-fast: $(VENV)/.dev
-	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow" $(PYTEST_ARGS)
 
 bench: $(VENV)/.bench
 	$(BIN)/python benchmarks/gae.py

@@ -8,3 +8,23 @@ import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# The longest files, longest first (seconds on the 2-core CI machine). `make test` runs the suite on
+# two pytest-xdist workers, one file at a time each (`--dist loadfile`, so a module's compiled
+# fixtures are built once); starting these first keeps one worker from finishing long before the other.
+LONGEST_FILES = (
+    "tests/train/test_multiprocess.py",  # ~200: eight `sao-train` processes
+    "tests/train/test_resume.py",  # ~75: five runs, three killed or resumed
+    "tests/train/test_groups_trace.py",  # ~55
+    "tests/train/test_steps.py",  # ~50
+    "tests/train/test_micro_batches.py",
+    "tests/test_train_step_bench.py",
+    "tests/train/test_outputs.py",
+    "tests/train/test_real_inputs.py",
+    "tests/test_reproduce.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {path: i for i, path in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
