@@ -66,11 +66,16 @@ def metric_lines(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def cache(tmp_path_factory):
+    """One persistent compilation cache for every run of this module: a program compiles once."""
+    return tmp_path_factory.mktemp("jax_cache")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache):
     """(2-process output dir, 1-process output dir, outputs of processes 0 and 1, 1 process on 2 devices:
     (output dir, output), 2 processes of 2 devices with one kept for rollouts: (output dir, outputs))."""
     tmp = tmp_path_factory.mktemp("multiprocess")
-    cache = tmp / "jax_cache"
     # The reference first: the two processes then find its sampler programs in the compilation cache.
     finish([start(tmp / "one", cache)])
     port = free_port()
@@ -140,12 +145,12 @@ def test_two_processes_sampling_on_split_off_devices_match_one_device(runs):
 
 
 @pytest.fixture(scope="module")
-def async_run(tmp_path_factory):
+def async_run(tmp_path_factory, cache):
     """`train.mode=async` as 2 processes of 2 devices each, one of them kept for rollouts (sampling runs
     while the other trains): (output dir, outputs of processes 0 and 1)."""
     tmp = tmp_path_factory.mktemp("multiprocess_async")
     port = free_port()
-    outputs = finish([start(tmp / "run", tmp / "jax_cache", "--coordinator", f"127.0.0.1:{port}", "--num-processes",
+    outputs = finish([start(tmp / "run", cache, "--coordinator", f"127.0.0.1:{port}", "--num-processes",
                             "2", "--process-id", str(i), "train.mode=async", "mesh.rollout_devices=1", devices=2)
                      for i in range(2)])  # fmt: skip
     return tmp / "run", outputs
