@@ -28,7 +28,12 @@ initialisation, is in the last column).
 
 The dense model replaces each MoE block by one SwiGLU of width k · moe_intermediate_size: the same
 active expert parameters; it lacks only the router (d · E per layer). "× dense" is a row's step time
-over the dense model's at the same shape.
+over the dense model's at the same shape. "XLA FLOPs ÷ model" is the FLOPs XLA's cost analysis
+counts in the compiled step over the model FLOPs: the work a dispatch adds (padding, every expert on
+every token, recomputation under remat), whatever the timing says ("loop": the program loops, as the
+blocked dispatch's scan over blocks does, and the analysis counts a loop body once). On a GPU,
+`--moe-1b` adds the sorted dispatch lowered to JAX's Pallas Triton grouped matmul
+(`jax_ragged_dot_use_gpu_pallas_triton_lowering`).
 
 Memory (bytes, from abstract shapes: nothing is allocated): parameters; gradients — of all
 parameters, or of the trainable ones only when the critic step differentiates just those; AdamW
@@ -159,19 +164,36 @@ def dropped_fraction(policy: Policy, input_ids: jax.Array) -> float:
     return 1 - kept / total
 
 
-def throughput_rows(models: dict[str, ModelConfig], shapes, repeats: int, reference: str) -> list[list[str]]:
+def compiled_flops(compiled) -> float | None:
+    """FLOPs XLA's cost analysis counts in a compiled program (what it will execute); None when the
+    program has a loop, whose body the analysis counts once rather than once per iteration."""
+    if " while(" in compiled.as_text():
+        return None
+    cost = compiled.cost_analysis()
+    return (cost[0] if isinstance(cost, list) else cost)["flops"]
+
+
+def throughput_rows(models: dict[str, ModelConfig], shapes, repeats: int, reference: str,
+                    triton_ragged_dot: frozenset = frozenset()) -> list[list[str]]:  # fmt: skip
     """One row per model and shape; the `jnp.dot` peak and `reference` (for "× dense") are timed in
-    the same interleaved loop."""
+    the same interleaved loop. Rows named in `triton_ragged_dot` are lowered with JAX's Pallas Triton
+    `ragged_dot` (GPU only; elsewhere the flag changes nothing)."""
     rows = []
     for batch, seq in shapes:
-        calls, flops, dropped = {}, {}, {}
+        calls, flops, xla_flops, dropped = {}, {}, {}, {}
         for name, config in models.items():
             policy = Policy(config, rngs=nnx.Rngs(0))
             graphdef, state = nnx.split(policy)
-            step = train_step(graphdef)
             input_ids = jax.random.randint(jax.random.key(2), (batch, seq), 0, config.vocab_size)
+            triton = name in triton_ragged_dot
+            if triton:  # the flag counts at lowering only
+                jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
+            step = train_step(graphdef).lower(state, input_ids).compile()
+            if triton:
+                jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
             calls[name] = lambda step=step, state=state, input_ids=input_ids: step(state, input_ids)
             flops[name] = step_flops(config, batch, seq)
+            xla_flops[name] = compiled_flops(step)
             if config.num_experts and config.moe_dispatch == "capacity":
                 dropped[name] = f"{dropped_fraction(policy, input_ids):.1%}"
         dtype = next(iter(models.values())).compute_dtype
@@ -186,10 +208,11 @@ def throughput_rows(models: dict[str, ModelConfig], shapes, repeats: int, refere
               f"1-min load {load_before:.1f} → {load_after:.1f}")  # fmt: skip
         for name, config in models.items():
             rate = flops[name] / seconds[name]
+            compiled = "loop" if xla_flops[name] is None else f"{xla_flops[name] / flops[name]:.2f}"
             rows.append([
                 name, f"{batch}×{seq}", f"{active_matmul_params(config) / 1e6:.3f}M", f"{seconds[name] * 1e3:.1f}",
                 f"{batch * seq / seconds[name]:,.0f}", f"{rate / 1e9:.1f}", f"{rate / peak:.1%}",
-                f"{seconds[name] / seconds[reference]:.2f}", dropped.get(name, ""),
+                f"{seconds[name] / seconds[reference]:.2f}", compiled, dropped.get(name, ""),
             ])  # fmt: skip
     return rows
 
@@ -232,15 +255,19 @@ def main() -> None:
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}); median of {repeats}, interleaved\n")
     header = ["model", "batch×seq", "N_active", "ms/step", "tokens/s", "model GFLOP/s", "of dot peak",
-              "× dense", "dropped"]  # fmt: skip
+              "× dense", "XLA FLOPs ÷ model", "dropped"]  # fmt: skip
 
     if args.moe_1b:
         big = moe_1b().replace(remat=True)
         models = {name: big.replace(moe_dispatch=dispatch) for name, dispatch in DISPATCH_ROWS.items()
                   if dispatch != "capacity"}  # the exact dispatches only: fewer compiles
+        triton = frozenset()
+        if jax.default_backend() == "gpu":  # XLA's own ragged_dot may pad every group to the whole batch
+            triton = frozenset({"MoE, sorted dispatch, Triton ragged_dot"})
+            models |= dict.fromkeys(triton, big.replace(moe_dispatch="sorted"))
         models["dense, same active"] = dense_twin(big)
         shape = tuple(int(n) for n in args.moe_1b.split("x"))
-        print(markdown_table(header, throughput_rows(models, [shape], repeats, reference="dense, same active")))
+        print(markdown_table(header, throughput_rows(models, [shape], repeats, "dense, same active", triton)))
         return
 
     moe = bench_moe(args.quick)

@@ -7,6 +7,7 @@ actor and critic updates on a model of the same size and batch.
     python benchmarks/train_step.py --preset d512-dense  # the same with dense MLPs (Tunix's exact twin)
     python benchmarks/train_step.py --preset moe_1b --dispatch sorted --batch 16 --seq 1024 --remat --no-tunix
                                                        # ~1B-parameter MoE in bfloat16, for accelerators
+    bash benchmarks/gpu_moe.sh                         # a GPU session's first checks (model.py + this, moe_1b)
 
 The steps are the trainer's own (`sao_jax.train.steps.build_steps` with the default config: frozen-
 attention critic, DIS loss, skip-observation GAE with length-adaptive λ), on a synthetic batch with
@@ -163,7 +164,12 @@ def main(argv=None) -> None:
     parser.add_argument("--remat", action="store_true", help="recompute each layer in the backward pass (big models)")
     parser.add_argument("--frozen-only", action="store_true", help="skip the all-trainable critic rows (fewer compiles)")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 2 repeats: a smoke test")
+    parser.add_argument("--ragged-dot-triton", action="store_true",
+                        help="GPU: lower `ragged_dot` (the sorted dispatch) to JAX's Pallas Triton grouped matmul "
+                             "instead of XLA's default, which may pad every group to the whole batch")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.ragged_dot_triton:
+        jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
     if args.quick:
         args.batch, args.seq, args.repeats = 2, 64, 2
 
