@@ -288,3 +288,35 @@ def test_decode_windows_are_the_next_of_four_sizes_per_octave(plain_sampler):
     for longest in range(1, 3100):
         want = min(3000, next(size for size in sizes if size >= longest))
         assert plain_sampler.window_for(state, longest) == want, longest
+
+
+def test_a_rows_tokens_depend_only_on_its_key_and_the_slots_they_fill(policy, plain_sampler, params, full_logits):
+    """The same rows decoded in chunks of 4 in one batch, and in chunks of 3, in another order, beside
+    another row and cut into two `generate` calls, give the same tokens; and each token is the inverse
+    CDF of log μ at u = 1 − uniform(fold_in(key, slot)), the slot it takes in the cache."""
+    prompts = [[5, 9, 2], [7, 7, 1, 3, 8, 4, 6], [11]]
+    keys = jax.random.split(jax.random.key(11), 3)
+    state = plain_sampler.prefill(params, plain_sampler.init_state(3, 32), *_padded(prompts))
+    _, first = plain_sampler.generate(params, state, keys, [10, 10, 10], NO_STOP)
+
+    other = Sampler(policy, chunk_size=3)
+    order = [2, 0, 1]
+    rows = [prompts[b] for b in order] + [[3, 3, 3, 3]]
+    row_keys = jnp.concatenate([keys[jnp.array(order)], jax.random.split(jax.random.key(12), 1)])
+    no_stop = np.full((4, 1), -1, np.int32)
+    state = other.prefill(params, other.init_state(4, 32), *_padded(rows))
+    state, head = other.generate(params, state, row_keys, [4, 4, 4, 4], no_stop)
+    _, tail = other.generate(params, state, row_keys, [6, 6, 6, 6], no_stop)
+    second = _joined(head, tail)
+    for i, b in enumerate(order):
+        np.testing.assert_array_equal(second.tokens[i, :10], first.tokens[b, :10], err_msg=f"row {b}")
+
+    for b, prompt in enumerate(prompts):
+        history = np.concatenate([prompt, first.tokens[b, :10]])
+        (logits,) = _teacher_forced(full_logits, [history])
+        for t in range(10):
+            slot = len(prompt) + t
+            mu = np.exp(reference_log_mu(logits[slot - 1]))
+            u = 1.0 - float(jax.random.uniform(jax.random.fold_in(keys[b], slot), ()))
+            expected = int(np.sum(np.cumsum(mu) < u * mu.sum()))
+            assert first.tokens[b, t] == expected, f"row {b} token {t}"
