@@ -62,6 +62,11 @@ constexpr int64_t kBlock = 64;     // slots per block: its scores stay in L1 bet
 constexpr int64_t kMaxGroup = 8;   // query heads per kv head
 constexpr int64_t kRows = 4;       // slots scored at once (their loads of q are shared)
 constexpr int64_t kMaxHeadDim = 256;
+// Slots ahead of the one being read whose K (or V) lines are prefetched. The hardware prefetchers
+// leave the strided reads (one kv head of each slot) waiting on memory: on the 2-core CPU, a call
+// over caches evicted from L3 (32 rows × 160 slots, 2 kv heads × 64) took 0.48 ms with 16 slots
+// ahead against 0.59–0.75 ms without (8 ahead: 0.54 ms, 32: 0.58 ms).
+constexpr int64_t kAhead = 16;
 
 template <typename KV>
 constexpr KV kZeros[kMaxHeadDim] = {};
@@ -89,6 +94,11 @@ inline void Store(float x, uint16_t* p) {  // bfloat16 bits, rounded to nearest 
     return;
   }
   *p = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+template <typename KV>
+inline void PrefetchSlot(const KV* slot, int64_t head_dim) {
+  for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(KV)); byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(slot) + byte);
 }
 inline float Sum(Vec v) {
   float total = 0.0f;
@@ -134,6 +144,8 @@ void AttendOne(const float* q, const KV* k, const KV* v, const int32_t* num_keys
       const KV* rows[kRows];
       for (int64_t r = 0; r < kRows; ++r) rows[r] = i + r < width ? k0 + (start + i + r) * slot_stride : kZeros<KV>;
       Vec dots[kRows][group] = {};
+      for (int64_t r = 0; r < kRows; ++r)
+        if (start + i + r + kAhead < n) PrefetchSlot(k0 + (start + i + r + kAhead) * slot_stride, s.head_dim);
       for (int64_t c = 0; c < chunks; ++c) {
         for (int64_t r = 0; r < kRows; ++r) {
           const Vec key = Load(rows[r] + c * kLanes);
@@ -159,6 +171,7 @@ void AttendOne(const float* q, const KV* k, const KV* v, const int32_t* num_keys
     }
     // acc_g += Σ_i p[g][i] · v_i
     for (int64_t i = 0; i < width; ++i) {
+      if (start + i + kAhead < n) PrefetchSlot(v0 + (start + i + kAhead) * slot_stride, s.head_dim);
       for (int64_t c = 0; c < chunks; ++c) {
         const Vec value = Load(v0 + (start + i) * slot_stride + c * kLanes);
         for (int64_t g = 0; g < group; ++g) acc[g][c] += p[g][i] * value;
