@@ -7,6 +7,7 @@
 # Usage: bash benchmarks/gpu_moe.sh [BATCHxSEQ]   (default 16x1024)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # sao_jax from this checkout, installed or not
 shape=${1:-16x1024}
 python benchmarks/model.py --moe-1b "$shape" --repeats 3
 python benchmarks/train_step.py --preset moe_1b --dispatch sorted --ragged-dot-triton --batch "${shape%x*}" \
