@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The checks a GPU session should run first (about 10 minutes on one H200): where the ~1B bf16 MoE's
+# The checks a GPU session should run first (estimated ~10 minutes on one H200, not yet timed): where the ~1B bf16 MoE's
 # step loses its FLOPs. On 2026-11-30 it reached 2 % MFU with the sorted dispatch (`ragged_dot`), whose
 # default XLA lowering may pad every expert's group to the whole batch. model.py prints, per dispatch,
 # the FLOPs XLA compiled over the model FLOPs and the step time against a dense twin (adding the sorted

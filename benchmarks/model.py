@@ -191,9 +191,11 @@ def throughput_rows(models: dict[str, ModelConfig], shapes, repeats: int, refere
             triton = name in triton_ragged_dot
             if triton:  # the flag counts at lowering only
                 jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", True)
-            step = train_step(graphdef).lower(state, input_ids).compile()
-            if triton:
-                jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
+            try:
+                step = train_step(graphdef).lower(state, input_ids).compile()
+            finally:
+                if triton:
+                    jax.config.update("jax_ragged_dot_use_gpu_pallas_triton_lowering", False)
             calls[name] = lambda step=step, state=state, input_ids=input_ids: step(state, input_ids)
             flops[name] = step_flops(config, batch, seq)
             xla_flops[name] = compiled_flops(step)

@@ -203,7 +203,8 @@ def main(argv=None) -> None:
 
     device = jax.devices()[0]
     print(f"device {device.platform}:{device.device_kind}; preset {args.preset} ({param_count(model_config) / 1e6:.1f}M "
-          f"params, {active_matmul_params(model_config) / 1e6:.1f}M active matmul), dispatch {args.dispatch}, "
+          f"params, {active_matmul_params(model_config) / 1e6:.1f}M active matmul), dispatch {args.dispatch}"
+          f"{' (Triton ragged_dot)' if args.ragged_dot_triton else ''}, "
           f"{model_config.dtype}, batch {args.batch}×{args.seq}")  # fmt: skip
     print(f"jnp.dot {peak_n}² {jnp.dtype(dtype).name}: {dot_rate / 1e12:.3f} TFLOP/s; 1-min load {load_before:.1f} → {load_after:.1f}")
     header = ["update", "ms", "tokens/s", "model TFLOP/s", "of jnp.dot"] + (["MFU"] if args.peak_tflops else [])
