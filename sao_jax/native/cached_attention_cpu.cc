@@ -13,10 +13,10 @@
 // slots.
 // Why a kernel: a decode step's einsum attention makes XLA:CPU copy every layer's K and V into
 // the layouts its batched dots want, and those dots (two query heads per kv head, one query) run
-// far below the memory bandwidth; here one task per (row, query, kv head) reads its slots in
-// place — the step is then bound by reading the cache once. XLA:CPU also scatters into a
-// bfloat16 cache by converting all of it to float32 and back; the write here touches only the new
-// slots.
+// far below the memory bandwidth; here one task per (row, query) reads its slots in place, each
+// slot's K and V rows whole — the step is then bound by reading the cache once. XLA:CPU also
+// scatters into a bfloat16 cache by converting all of it to float32 and back; the write here
+// touches only the new slots.
 // The tasks are spread over XLA's intra-op thread pool when it has one.
 
 #include <algorithm>
@@ -62,10 +62,12 @@ constexpr int64_t kBlock = 64;     // slots per block: its scores stay in L1 bet
 constexpr int64_t kMaxGroup = 8;   // query heads per kv head
 constexpr int64_t kRows = 4;       // slots scored at once (their loads of q are shared)
 constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kMaxTaskHeads = 8;     // kv heads one task reads together
+constexpr int64_t kMaxTaskFloats = 4096; // query heads × head_dim of one task
 // Slots ahead of the one being read whose K (or V) lines are prefetched. The hardware prefetchers
-// leave the strided reads (one kv head of each slot) waiting on memory: on the 2-core CPU, a call
-// over caches evicted from L3 (32 rows × 160 slots, 2 kv heads × 64) took 0.48 ms with 16 slots
-// ahead against 0.59–0.75 ms without (8 ahead: 0.54 ms, 32: 0.58 ms).
+// left the reads waiting on memory: on the 2-core CPU, a call over caches evicted from L3 (32 rows
+// × 160 slots, 2 kv heads × 64) took 0.48 ms with 16 slots ahead against 0.59–0.75 ms without,
+// when a task read one kv head of each slot; reading whole rows, 0.29–0.31 ms at 4 to 24 ahead.
 constexpr int64_t kAhead = 16;
 
 template <typename KV>
@@ -96,9 +98,9 @@ inline void Store(float x, uint16_t* p) {  // bfloat16 bits, rounded to nearest 
   *p = static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
 }
 template <typename KV>
-inline void PrefetchSlot(const KV* slot, int64_t head_dim) {
-  for (int64_t byte = 0; byte < head_dim * static_cast<int64_t>(sizeof(KV)); byte += 64)
-    __builtin_prefetch(reinterpret_cast<const char*>(slot) + byte);
+inline void Prefetch(const KV* first, int64_t count) {  // the cache lines of count values
+  for (int64_t byte = 0; byte < count * static_cast<int64_t>(sizeof(KV)); byte += 64)
+    __builtin_prefetch(reinterpret_cast<const char*>(first) + byte);
 }
 inline float Sum(Vec v) {
   float total = 0.0f;
@@ -110,82 +112,104 @@ struct Shape {
   int64_t batch, time, heads, kv_heads, head_dim, slots;
 };
 
-// One (row b, query t, kv head j) task: its `group` query heads attend slots [0, n), a block of
-// slots at a time with an online softmax (running max m, sum l and unnormalized output acc).
+// One task: query t of row b, kv heads [j0, j0 + task_heads) and their `group` query heads each,
+// over slots [0, n), a block of slots at a time with an online softmax (running max m, sum l and
+// unnormalized output acc per query head). A task takes all of a row's kv heads when it can: a
+// slot's K (and V) row is then read whole, which the 2-core CPU served at 23–29 GB/s against
+// 11–12 GB/s for one kv head of every slot (32 rows × 160 slots, caches evicted from L3).
 template <typename KV, int64_t group>
-void AttendOne(const float* q, const KV* k, const KV* v, const int32_t* num_keys, float* out,
-               const Shape& s, int64_t task) {
-  const int64_t j = task % s.kv_heads;
-  const int64_t bt = task / s.kv_heads;  // b * time + t
+void AttendTask(const float* q, const KV* k, const KV* v, const int32_t* num_keys, float* out,
+                const Shape& s, int64_t task_heads, int64_t task) {
+  const int64_t tasks_per_row = s.kv_heads / task_heads;
+  const int64_t j0 = (task % tasks_per_row) * task_heads;
+  const int64_t bt = task / tasks_per_row;  // b * time + t
   const int64_t b = bt / s.time;
   const int64_t chunks = s.head_dim / kLanes;
+  const int64_t heads = task_heads * group;  // query heads j0·group … : adjacent in q
   const int64_t n = std::clamp<int64_t>(num_keys[bt], 0, s.slots);
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.head_dim));
   const int64_t slot_stride = s.kv_heads * s.head_dim;
-  const KV* k0 = k + (b * s.slots * s.kv_heads + j) * s.head_dim;
-  const KV* v0 = v + (b * s.slots * s.kv_heads + j) * s.head_dim;
+  const int64_t row_width = task_heads * s.head_dim;  // the task's contiguous part of a slot
+  const KV* k0 = k + (b * s.slots * s.kv_heads + j0) * s.head_dim;
+  const KV* v0 = v + (b * s.slots * s.kv_heads + j0) * s.head_dim;
+  const float* q0 = q + (bt * s.heads + j0 * group) * s.head_dim;
 
-  Vec query[group][kMaxHeadDim / kLanes];  // the group's heads are adjacent in q
-  Vec acc[group][kMaxHeadDim / kLanes];
-  float m[group], l[group];
-  float p[group][kBlock];
-  for (int64_t g = 0; g < group; ++g) {
+  Vec query[kMaxTaskFloats / kLanes];  // [head][chunk]
+  Vec acc[kMaxTaskFloats / kLanes];
+  float m[kMaxTaskHeads * kMaxGroup], l[kMaxTaskHeads * kMaxGroup];
+  float p[kMaxTaskHeads * kMaxGroup][kBlock];
+  for (int64_t h = 0; h < heads; ++h) {
     for (int64_t c = 0; c < chunks; ++c) {
-      query[g][c] = Load(q + (bt * s.heads + j * group + g) * s.head_dim + c * kLanes) * scale;
-      acc[g][c] = Vec{};
+      query[h * chunks + c] = Load(q0 + h * s.head_dim + c * kLanes) * scale;
+      acc[h * chunks + c] = Vec{};
     }
-    m[g] = -INFINITY;
-    l[g] = 0.0f;
+    m[h] = -INFINITY;
+    l[h] = 0.0f;
   }
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t width = std::min(kBlock, n - start);
-    // scores p[g][i] = q_g · k_i, kRows slots at a time (past the block's end: a row of zeros)
+    // scores p[h][i] = q_h · k_i, one kv head and kRows slots at a time (past the block's end: a
+    // row of zeros); the first kv head's pass prefetches whole rows, the others find them in cache
     for (int64_t i = 0; i < width; i += kRows) {
-      const KV* rows[kRows];
-      for (int64_t r = 0; r < kRows; ++r) rows[r] = i + r < width ? k0 + (start + i + r) * slot_stride : kZeros<KV>;
-      Vec dots[kRows][group] = {};
       for (int64_t r = 0; r < kRows; ++r)
-        if (start + i + r + kAhead < n) PrefetchSlot(k0 + (start + i + r + kAhead) * slot_stride, s.head_dim);
-      for (int64_t c = 0; c < chunks; ++c) {
-        for (int64_t r = 0; r < kRows; ++r) {
-          const Vec key = Load(rows[r] + c * kLanes);
-          for (int64_t g = 0; g < group; ++g) dots[r][g] += query[g][c] * key;
+        if (start + i + r + kAhead < n) Prefetch(k0 + (start + i + r + kAhead) * slot_stride, row_width);
+      for (int64_t j = 0; j < task_heads; ++j) {
+        const Vec* query_j = query + j * group * chunks;
+        const KV* rows[kRows];
+        for (int64_t r = 0; r < kRows; ++r)
+          rows[r] = i + r < width ? k0 + (start + i + r) * slot_stride + j * s.head_dim : kZeros<KV>;
+        Vec dots[kRows][group] = {};
+        for (int64_t c = 0; c < chunks; ++c) {
+          for (int64_t r = 0; r < kRows; ++r) {
+            const Vec key = Load(rows[r] + c * kLanes);
+            for (int64_t g = 0; g < group; ++g) dots[r][g] += query_j[g * chunks + c] * key;
+          }
         }
+        for (int64_t r = 0; r < kRows; ++r)
+          for (int64_t g = 0; g < group; ++g) p[j * group + g][i + r] = Sum(dots[r][g]);
       }
-      for (int64_t r = 0; r < kRows; ++r)
-        for (int64_t g = 0; g < group; ++g) p[g][i + r] = Sum(dots[r][g]);
     }
     // p ← exp(p − new max); rescale what came before by exp(old max − new max)
-    for (int64_t g = 0; g < group; ++g) {
-      float block_max = m[g];
-      for (int64_t i = 0; i < width; ++i) block_max = std::max(block_max, p[g][i]);
-      const float rescale = ExpNonPositive(m[g] - block_max);  // 0 on the first block (m = −inf)
+    for (int64_t h = 0; h < heads; ++h) {
+      float block_max = m[h];
+      for (int64_t i = 0; i < width; ++i) block_max = std::max(block_max, p[h][i]);
+      const float rescale = ExpNonPositive(m[h] - block_max);  // 0 on the first block (m = −inf)
       float block_sum = 0.0f;
       for (int64_t i = 0; i < width; ++i) {
-        p[g][i] = ExpNonPositive(p[g][i] - block_max);
-        block_sum += p[g][i];
+        p[h][i] = ExpNonPositive(p[h][i] - block_max);
+        block_sum += p[h][i];
       }
-      l[g] = l[g] * rescale + block_sum;
-      m[g] = block_max;
-      for (int64_t c = 0; c < chunks; ++c) acc[g][c] *= rescale;
+      l[h] = l[h] * rescale + block_sum;
+      m[h] = block_max;
+      for (int64_t c = 0; c < chunks; ++c) acc[h * chunks + c] *= rescale;
     }
-    // acc_g += Σ_i p[g][i] · v_i
+    // acc_h += Σ_i p[h][i] · v_i, each slot's row read whole
     for (int64_t i = 0; i < width; ++i) {
-      if (start + i + kAhead < n) PrefetchSlot(v0 + (start + i + kAhead) * slot_stride, s.head_dim);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const Vec value = Load(v0 + (start + i) * slot_stride + c * kLanes);
-        for (int64_t g = 0; g < group; ++g) acc[g][c] += p[g][i] * value;
+      if (start + i + kAhead < n) Prefetch(v0 + (start + i + kAhead) * slot_stride, row_width);
+      const KV* row = v0 + (start + i) * slot_stride;
+      for (int64_t j = 0; j < task_heads; ++j) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const Vec value = Load(row + j * s.head_dim + c * kLanes);
+          for (int64_t g = 0; g < group; ++g) acc[(j * group + g) * chunks + c] += p[j * group + g][i] * value;
+        }
       }
     }
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float inverse = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    float* out_g = out + (bt * s.heads + j * group + g) * s.head_dim;
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inverse = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+    float* out_h = out + (bt * s.heads + j0 * group + h) * s.head_dim;
     for (int64_t c = 0; c < chunks; ++c) {
-      const Vec o = acc[g][c] * inverse;
-      std::memcpy(out_g + c * kLanes, &o, sizeof(o));
+      const Vec o = acc[h * chunks + c] * inverse;
+      std::memcpy(out_h + c * kLanes, &o, sizeof(o));
     }
   }
+}
+
+// kv heads a task takes: all of a row's when their query heads fit the task's buffers and there
+// are still rows enough to keep every thread busy (a task per kv head otherwise).
+int64_t TaskHeads(const Shape& s, int64_t threads) {
+  const bool fits = s.kv_heads <= kMaxTaskHeads && s.heads * s.head_dim <= kMaxTaskFloats;
+  return fits && s.batch * s.time >= 2 * (threads + 1) ? s.kv_heads : 1;
 }
 
 // Runs body(0), ..., body(count − 1) on the calling thread and, when it has one, XLA's intra-op
@@ -246,7 +270,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
         "k and v caches share a dtype; write_slots and num_keys are [batch, time]; new k and v are "
         "[batch, time, kv_heads, head_dim]");
   }
-  const int64_t tasks = s.batch * s.time * s.kv_heads;
+  const int64_t task_heads = TaskHeads(s, pool.num_threads());
+  const int64_t tasks = s.batch * s.time * (s.kv_heads / task_heads);
   const auto run = [&](auto kv_type, auto group) {
     using KV = decltype(kv_type);
     KV* keys = reinterpret_cast<KV*>(k->untyped_data());
@@ -261,8 +286,8 @@ ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ff
       }
     }
     ParallelFor(pool, tasks, [&](int64_t task) {
-      AttendOne<KV, decltype(group)::value>(q.typed_data(), keys, values, num_keys.typed_data(),
-                                            out->typed_data(), s, task);
+      AttendTask<KV, decltype(group)::value>(q.typed_data(), keys, values, num_keys.typed_data(),
+                                             out->typed_data(), s, task_heads, task);
     });
   };
   const auto dispatch = [&](auto kv_type) {

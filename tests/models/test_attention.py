@@ -69,7 +69,7 @@ def decode_inputs(batch, slots, heads, kv_heads, head_dim, dtype, seed=0):
                        zip(ks[:3], (heads, kv_heads, kv_heads)))  # fmt: skip
     cache = tuple(jax.random.normal(key, (batch, slots, kv_heads, head_dim), dtype) for key in ks[3:])
     # row lengths before this token: 0 (a first token), block edges of the kernel (64 slots), full
-    lengths = np.array([0, 63, 64, 127, slots - 1, 5, 1, 100][:batch]) % slots
+    lengths = np.resize([0, 63, 64, 127, slots - 1, 5, 1, 100], batch) % slots
     layout = AttentionLayout.build(jnp.ones((batch, 1), bool), jnp.asarray(lengths, jnp.int32), slots)
     return q, new_k, new_v, cache, layout
 
@@ -93,14 +93,19 @@ def attend():
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim, dtype",
     [(4, 2, 64, jnp.float32), (4, 4, 8, jnp.float32), (6, 2, 128, jnp.float32), (8, 1, 16, jnp.float32),
-     (4, 2, 64, jnp.bfloat16)],
+     (4, 2, 64, jnp.bfloat16),
+     # a task per kv head: more kv heads than a task takes (8), or query heads wider than its buffers
+     (16, 16, 8, jnp.float32), (32, 4, 256, jnp.float32)],
 )  # fmt: skip
+# The kernel gives a task all of a row's kv heads when there are rows enough for its threads (the
+# tests' pool has 8: 64 rows), else one kv head (8 rows).
+@pytest.mark.parametrize("batch", [8, 64])
 def test_cached_attention_kernel_writes_then_equals_softmax_over_the_first_slots(attend, heads, kv_heads,
-                                                                                 head_dim, dtype):  # fmt: skip
+                                                                                 head_dim, dtype, batch):  # fmt: skip
     slots = 133  # not a multiple of the kernel's blocks (64) or rows (4)
-    inputs = decode_inputs(8, slots, heads, kv_heads, head_dim, dtype)
+    inputs = decode_inputs(batch, slots, heads, kv_heads, head_dim, dtype)
     assert "sao_cached_attention" in attend.lower(*inputs).as_text()  # the kernel, not the einsum
-    np.testing.assert_array_equal(inputs[-1].num_keys[:, 0], [1, 64, 65, 128, 133, 6, 2, 101])
+    np.testing.assert_array_equal(inputs[-1].num_keys[:8, 0], [1, 64, 65, 128, 133, 6, 2, 101])
     check(attend(*inputs), inputs)
 
 
