@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layers import Attention, AttentionLayout, KVCache, RMSNorm, normal_param, param
+from sao_jax.models.layers import Attention, AttentionLayout, KVCache, RMSNorm, normal_param, param, rope_angles
 from sao_jax.models.moe import FeedForward, MoE
 from sao_jax.models.sharding import with_logical_constraint
 
@@ -52,9 +52,10 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config)
         self.mlp = MoE(config, rngs=rngs) if self.is_moe else FeedForward(config, config.intermediate_size, rngs=rngs)
 
-    def __call__(self, x, positions, token_mask, layout, cache_kv):
-        """Returns (x [batch, time, embed], updated cache (keys, values) or None, aux loss or None)."""
-        attn_out, cache_kv = self.attn(self.input_norm(x), positions, layout, cache_kv)
+    def __call__(self, x, rope, token_mask, layout, cache_kv):
+        """rope: (cos, sin) from `rope_angles`. Returns (x [batch, time, embed], updated cache
+        (keys, values) or None, aux loss or None)."""
+        attn_out, cache_kv = self.attn(self.input_norm(x), rope, layout, cache_kv)
         h = x + attn_out
         if self.is_moe:
             mlp_out, aux = self.mlp(self.post_attn_norm(h), token_mask)
@@ -63,7 +64,7 @@ class DecoderLayer(nnx.Module):
         return h + mlp_out, cache_kv, aux
 
 
-def _call_layer_remat(layer: DecoderLayer, x, positions, token_mask, layout, cache_kv):
+def _call_layer_remat(layer: DecoderLayer, x, rope, token_mask, layout, cache_kv):
     """`layer(...)` under `jax.checkpoint`: the backward pass recomputes the layer's intermediates.
     (The layer goes in as split state: a layer only reads its variables, so nothing is written back.)"""
     graph, state = nnx.split(layer)
@@ -71,7 +72,7 @@ def _call_layer_remat(layer: DecoderLayer, x, positions, token_mask, layout, cac
     def apply(state, *inputs):
         return nnx.merge(graph, state)(*inputs)
 
-    return jax.checkpoint(apply)(state, x, positions, token_mask, layout, cache_kv)
+    return jax.checkpoint(apply)(state, x, rope, token_mask, layout, cache_kv)
 
 
 class Decoder(nnx.Module):
@@ -91,9 +92,14 @@ class Decoder(nnx.Module):
         token_mask = jnp.ones(input_ids.shape, bool) if attention_mask is None else attention_mask.astype(bool)
         input_ids = jnp.where(token_mask, input_ids, 0)  # padding ids may be anything, even -1
         lengths = None if cache is None else cache.lengths
+        slot_positions = positions is None
         if positions is None:
             earlier_real = jnp.cumsum(token_mask, axis=1) - 1
             positions = jnp.maximum(earlier_real if lengths is None else lengths[:, None] + earlier_real, 0)
+        if cache is not None and slot_positions:  # the cache's table (its last row for dropped tokens)
+            rope = tuple(table[positions] for table in cache.rope)
+        else:
+            rope = rope_angles(positions, rotary_dim=self.config.rotary_dim, theta=self.config.rope_theta)
         layout = AttentionLayout.build(token_mask, lengths, None if cache is None else cache.max_len)
         x = self.embed(input_ids, self.config.compute_dtype)
         new_keys, new_values, aux_losses = [], [], []
@@ -101,7 +107,7 @@ class Decoder(nnx.Module):
         call = _call_layer_remat if self.config.remat and cache is None else DecoderLayer.__call__
         for i, layer in enumerate(self.layers):
             cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, cache_kv, aux = call(layer, x, positions, token_mask, layout, cache_kv)
+            x, cache_kv, aux = call(layer, x, rope, token_mask, layout, cache_kv)
             x = with_logical_constraint(x, ("batch", "length", "embed"))
             if cache_kv is not None:
                 new_keys.append(cache_kv[0])
@@ -109,8 +115,8 @@ class Decoder(nnx.Module):
             if aux is not None:
                 aux_losses.append(aux)
         if cache is not None:
-            cache = KVCache(keys=tuple(new_keys), values=tuple(new_values),
-                            lengths=cache.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32))  # fmt: skip
+            cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values),
+                                  lengths=cache.lengths + jnp.sum(token_mask, axis=1, dtype=jnp.int32))  # fmt: skip
         aux_loss = jnp.mean(jnp.stack(aux_losses)) if aux_losses else jnp.zeros((), jnp.float32)
         return self.final_norm(x), cache, aux_loss
 

@@ -55,23 +55,27 @@ class RMSNorm(nnx.Module):
         return (self.scale[...] * normed.astype(x.dtype)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, *, rotary_dim: int, theta: float) -> jax.Array:
-    """Rotary position embedding on the first `rotary_dim` dims of each head ("rotate half" layout).
-
-    With inv_freq_i = theta^(-2i/rotary_dim), i < rotary_dim/2, angle a_i = position · inv_freq_i and
-    x = [x1, x2, x_pass] (x1, x2 the two halves of the rotated part):
-      y = [x1 cos a − x2 sin a,  x2 cos a + x1 sin a,  x_pass]
-    x: [batch, time, heads, head_dim]; positions: int [batch, time]. Angles in float32.
-    """
+def rope_angles(positions: jax.Array, *, rotary_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(cos a, sin a) of the rotary angles a_i = position · theta^(-2i/rotary_dim), i < rotary_dim/2:
+    float32 [..., rotary_dim/2] from int positions [...]. A forward computes them once for all its
+    layers (`KVCache` keeps them as a table for its slots)."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=jnp.float32) / rotary_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, time, rotary_dim/2]
-    cos = jnp.cos(angles)[:, :, None, :]
-    sin = jnp.sin(angles)[:, :, None, :]
-    half = rotary_dim // 2
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotary position embedding on the first rotary_dim = 2 · cos.shape[-1] dims of each head
+    ("rotate half" layout). With x = [x1, x2, x_pass] (x1, x2 the two halves of the rotated part):
+      y = [x1 cos a − x2 sin a,  x2 cos a + x1 sin a,  x_pass]
+    x: [batch, time, heads, head_dim]; cos, sin: `rope_angles`. Computed in float32.
+    """
+    half = cos.shape[-1]
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1 = x[..., :half].astype(jnp.float32)
-    x2 = x[..., half:rotary_dim].astype(jnp.float32)
+    x2 = x[..., half : 2 * half].astype(jnp.float32)
     rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-    return jnp.concatenate([rotated, x[..., rotary_dim:]], axis=-1)
+    return jnp.concatenate([rotated, x[..., 2 * half :]], axis=-1)
 
 
 @flax.struct.dataclass
@@ -87,11 +91,16 @@ class KVCache:
     lengths[b] += (number of real tokens of b). Sequences may advance by different amounts in one
     call (prompts of different lengths; an observation chunk; a decode step where some are done).
     Writes past `max_len` are dropped silently: size the cache for the longest sequence.
+    rope: (cos, sin) [max_len, rotary_dim/2], `rope_angles` of positions 0..max_len-1. A forward
+    over the cache at the default positions (= slots) looks its angles up: a decode step evaluated
+    cos and sin inside every layer's q and k fusions on XLA:CPU, 0.3 ms of a 4.9 ms step
+    (benchmarks/RESULTS.md).
     """
 
     keys: tuple[jax.Array, ...]
     values: tuple[jax.Array, ...]
     lengths: jax.Array
+    rope: tuple[jax.Array, jax.Array]
 
     @classmethod
     def init(cls, config: ModelConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
@@ -99,7 +108,8 @@ class KVCache:
         dtype = dtype or config.compute_dtype
         shape = (batch_size, max_len, config.num_kv_heads, config.head_dim)
         zeros = tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-        return cls(keys=zeros, values=zeros, lengths=jnp.zeros((batch_size,), jnp.int32))
+        rope = rope_angles(jnp.arange(max_len), rotary_dim=config.rotary_dim, theta=config.rope_theta)
+        return cls(keys=zeros, values=zeros, lengths=jnp.zeros((batch_size,), jnp.int32), rope=rope)
 
     @property
     def max_len(self) -> int:
@@ -321,19 +331,16 @@ class Attention(nnx.Module):
         )  # fmt: skip
         self.q_norm = RMSNorm(hd, config) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config) if config.qk_norm else None
-        self.rotary_dim = config.rotary_dim
-        self.rope_theta = config.rope_theta
         self.splash = config.attention == "splash"
 
-    def __call__(self, x, positions, layout: AttentionLayout, cache_kv=None):
-        """x: [batch, time, embed]; positions: int [batch, time]. With `cache_kv = (keys, values)`
+    def __call__(self, x, rope, layout: AttentionLayout, cache_kv=None):
+        """x: [batch, time, embed]; rope: (cos, sin) from `rope_angles`. With `cache_kv = (keys, values)`
         of this layer, the chunk's keys/values are written at `layout.write_slots` and attention runs
         over the whole cache. Returns (output [batch, time, embed], updated (keys, values) or None)."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
-        k = apply_rope(k, positions, rotary_dim=self.rotary_dim, theta=self.rope_theta)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache_kv is not None:
             out, cache_kv = cached_attention(q, k, v, cache_kv, layout)
         elif self.splash:

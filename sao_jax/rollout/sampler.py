@@ -186,7 +186,7 @@ class Sampler:
         )
         # One buffer per leaf: KVCache.init may share one zeros array among layers, and a donated
         # argument must not hold the same buffer twice.
-        return jax.tree.map(jnp.zeros_like, state)
+        return jax.tree.map(jnp.copy, state)
 
     def prefill(self, params, state: DecodeState, tokens, mask, reset=None) -> DecodeState:
         """Append a chunk of known tokens to each row's sequence.
@@ -275,8 +275,8 @@ class Sampler:
         full = state.cache
         budget = jnp.minimum(max_new_tokens, full.max_len - full.lengths)  # a row finishes when it is spent
         within_window = jnp.minimum(budget, window - full.lengths)  # a row pauses when it is spent
-        cache = KVCache(keys=tuple(k[:, :window] for k in full.keys), values=tuple(v[:, :window] for v in full.values),
-                        lengths=full.lengths)  # fmt: skip
+        cache = full.replace(keys=tuple(k[:, :window] for k in full.keys),
+                             values=tuple(v[:, :window] for v in full.values))  # fmt: skip
         out = DecodeChunk(
             tokens=jnp.zeros((batch, chunk), jnp.int32),
             logprobs=jnp.zeros((batch, chunk), jnp.float32),
@@ -319,6 +319,5 @@ class Sampler:
         def write_back(full_kv, window_kv):
             return tuple(jax.lax.dynamic_update_slice(f, w, (0, 0, 0, 0)) for f, w in zip(full_kv, window_kv))
 
-        cache = KVCache(keys=write_back(full.keys, cache.keys), values=write_back(full.values, cache.values),
-                        lengths=cache.lengths)  # fmt: skip
+        cache = cache.replace(keys=write_back(full.keys, cache.keys), values=write_back(full.values, cache.values))
         return DecodeState(cache=cache, next_logits=next_logits), out
