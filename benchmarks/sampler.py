@@ -14,17 +14,18 @@ Each run: a batch of random prompts of `--prompt-len` tokens, then `--new-tokens
 row at temperature 1 with no top-k / top-p and no stop token (so every row decodes the same count).
 Times are medians of `--repeats` runs after one warm-up run (compilation excluded).
 
-Columns:
-  ours tok/s         batch · new tokens / (prefill + decode) time, float32, chunks of `--chunk` tokens
-                     (`Sampler.generate`: each chunk attends over the cache window its rows need)
-  ours decode tok/s  the same, counting only the decode part (prefill timed separately)
-  hf tok/s           batch · new tokens / time of `model.generate(do_sample=True, top_k=0,
-                     min_new_tokens=max_new_tokens)` (prefill + decode), float32, torch.no_grad
-  tunix tok/s        batch · new tokens / time of Tunix's `Sampler.__call__` (prefill + decode, one
-                     jit each; temperature 1, top_p 1: its `jax.random.categorical` path), float32;
-                     prompts are given as token ids through a pass-through tokenizer. Blank without
-                     the `bench` extra. MoE layers run Tunix's CPU fallback, which computes every expert.
-  ratio              ours tok/s / hf tok/s (> 1: ours is faster); `vs tunix` the same against Tunix
+Columns, tok/s (each side's plain column: batch · new tokens / (prefill + decode) time; `dec`: the
+tokens after the prefill over the time after it):
+  ours     float32, chunks of `--chunk` tokens (`Sampler.generate`: each chunk attends over the
+           cache window its rows need); decode: batch · new tokens / (total − prefill alone)
+  hf       `model.generate(do_sample=True, top_k=0, min_new_tokens=max_new_tokens)`, float32,
+           torch.no_grad; decode: batch · (new tokens − 1) / (total − the same call for 1 new token)
+  tunix    Tunix's `Sampler.__call__` (prefill + decode, one jit each; temperature 1, top_p 1: its
+           `jax.random.categorical` path), float32; prompts are given as token ids through a
+           pass-through tokenizer; decode as for hf. Blank without the `bench` extra. MoE layers
+           run Tunix's CPU fallback, which computes every expert.
+  ÷ hf, ÷ tunix          ours ÷ theirs, tok/s (> 1: ours is faster)
+  dec ÷ hf, dec ÷ tunix  the same for decode tok/s
 """
 
 import argparse
@@ -94,19 +95,20 @@ def bench_ours(policy, prompts, new_tokens: int, chunk: int, repeats: int):
     return median_time(total, repeats), median_time(prefill, repeats)
 
 
-def bench_hf(hf_model, prompts, new_tokens: int, repeats: int) -> float:
+def bench_hf(hf_model, prompts, new_tokens: int, repeats: int):
+    """(median seconds for `new_tokens`, median seconds for 1: the prefill and one sampled token)."""
     import torch
 
     ids = torch.from_numpy(prompts.astype(np.int64))
     mask = torch.ones_like(ids)
 
-    def run():
+    def run(count):
         with torch.no_grad():
             out = hf_model.generate(ids, attention_mask=mask, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                                    max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)  # fmt: skip
-        assert out.shape[1] == prompts.shape[1] + new_tokens
+                                    max_new_tokens=count, min_new_tokens=count, pad_token_id=0)  # fmt: skip
+        assert out.shape[1] == prompts.shape[1] + count
 
-    return median_time(run, repeats)
+    return median_time(lambda: run(new_tokens), repeats), median_time(lambda: run(1), repeats)
 
 
 class _TokenIds:
@@ -148,7 +150,8 @@ def load_tunix(folder: str, config: ModelConfig):
     return qwen3_params.create_model_from_safe_tensors(folder, tunix_config)
 
 
-def bench_tunix(model, config: ModelConfig, prompts, new_tokens: int, repeats: int) -> float:
+def bench_tunix(model, config: ModelConfig, prompts, new_tokens: int, repeats: int):
+    """(median seconds for `new_tokens`, median seconds for 1: the prefill and one sampled token)."""
     from tunix.generate import sampler as tunix_sampler
 
     batch, prompt_len = prompts.shape
@@ -157,12 +160,12 @@ def bench_tunix(model, config: ModelConfig, prompts, new_tokens: int, repeats: i
     sampler = tunix_sampler.Sampler(model, _TokenIds(), cache)
     texts = [" ".join(map(str, row)) for row in prompts]
 
-    def run():
-        out = sampler(texts, max_generation_steps=new_tokens, max_prompt_length=prompt_len, temperature=1.0,
+    def run(count):
+        out = sampler(texts, max_generation_steps=count, max_prompt_length=prompt_len, temperature=1.0,
                       top_p=1.0, eos_tokens=[-1], seed=0, pad_output=True)  # fmt: skip
-        assert all(len(tokens) == new_tokens for tokens in out.tokens)
+        assert all(len(tokens) == count for tokens in out.tokens)
 
-    return median_time(run, repeats)
+    return median_time(lambda: run(new_tokens), repeats), median_time(lambda: run(1), repeats)
 
 
 def tunix_logit_gap(policy, tunix_model, prompt) -> float:
@@ -203,8 +206,8 @@ def main():
     from transformers import AutoModelForCausalLM
 
     print(f"prompt {prompt_len} + {new_tokens} new tokens, median of {repeats}, JAX {jax.default_backend()}")
-    header = (f"{'model':>10} {'params':>8} {'active':>8} {'batch':>5} {'ours tok/s':>11} {'ours decode tok/s':>18} "
-              f"{'hf tok/s':>9} {'ratio':>6} {'tunix tok/s':>12} {'vs tunix':>9}")  # fmt: skip
+    names = ["ours", "ours dec", "hf", "hf dec", "÷ hf", "dec ÷ hf", "tunix", "tunix dec", "÷ tunix", "dec ÷ tunix"]
+    header = f"{'model':>10} {'params':>8} {'active':>8} {'batch':>5} " + " ".join(f"{n:>11}" for n in names)
     rows = []
     for name, config in models.items():
         with tempfile.TemporaryDirectory() as folder:
@@ -219,17 +222,21 @@ def main():
         print("" if tunix_model is None else f"; ours - tunix = {tunix_logit_gap(policy, tunix_model, prompt):.2e}")
         for batch in batches:
             prompts = rng.integers(3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
-            total, prefill = bench_ours(policy, prompts, new_tokens, args.chunk, repeats)
-            hf_time = bench_hf(hf_model, prompts, new_tokens, repeats)
+            ours, ours_prefill = bench_ours(policy, prompts, new_tokens, args.chunk, repeats)
+            ours_decode = batch * new_tokens / (ours - ours_prefill)
+            hf, hf_first = bench_hf(hf_model, prompts, new_tokens, repeats)
+            hf_decode = batch * (new_tokens - 1) / (hf - hf_first)  # tokens 2.. (the first came with the prefill)
             produced = batch * new_tokens
             tunix = ""
             if tunix_model is not None:
-                tunix_time = bench_tunix(tunix_model, config, prompts, new_tokens, repeats)
-                tunix = f"{produced / tunix_time:>12.0f} {tunix_time / total:>9.1f}"
+                tunix_total, tunix_first = bench_tunix(tunix_model, config, prompts, new_tokens, repeats)
+                tunix_decode = batch * (new_tokens - 1) / (tunix_total - tunix_first)
+                tunix = (f"{produced / tunix_total:>11.0f} {tunix_decode:>11.0f} {tunix_total / ours:>11.1f} "
+                         f"{ours_decode / tunix_decode:>11.1f}")  # fmt: skip
             total_m, active_m = param_count(config) / 1e6, param_count(config, active=True) / 1e6
-            rows.append(f"{name:>10} {total_m:>7.1f}M {active_m:>7.1f}M {batch:>5} {produced / total:>11.0f} "
-                        f"{produced / (total - prefill):>18.0f} {produced / hf_time:>9.0f} {hf_time / total:>6.1f} "
-                        f"{tunix}")  # fmt: skip
+            rows.append(f"{name:>10} {total_m:>7.1f}M {active_m:>7.1f}M {batch:>5} {produced / ours:>11.0f} "
+                        f"{ours_decode:>11.0f} {produced / hf:>11.0f} {hf_decode:>11.0f} {hf / ours:>11.1f} "
+                        f"{ours_decode / hf_decode:>11.1f} {tunix}")  # fmt: skip
             print(rows[-1] if len(rows) > 1 else header + "\n" + rows[-1], flush=True)
     print("\n" + header + "\n" + "\n".join(rows))
 

@@ -30,4 +30,4 @@ def test_tunix_loads_our_weights_and_samples_the_full_budget(dense):
         tunix_model = bench.load_tunix(folder, config)
     prompts = np.random.default_rng(0).integers(3, config.vocab_size, (2, 12)).astype(np.int32)
     assert bench.tunix_logit_gap(policy, tunix_model, prompts[0]) < 1e-4
-    assert bench.bench_tunix(tunix_model, config, prompts, new_tokens=5, repeats=1) > 0  # asserts 5 tokens a row
+    assert min(bench.bench_tunix(tunix_model, config, prompts, new_tokens=5, repeats=1)) > 0  # asserts 5, 1 a row
