@@ -285,7 +285,10 @@ def _splash_kernel(length: int, group: int, block: int, interpret: bool):
     mask = splash.MultiHeadMask([splash.CausalMask((length, length)) for _ in range(group)])
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)  # fmt: skip
-    return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+    # The kernel keeps arrays made from the mask, and it is cached: made inside one jit's trace they
+    # would be that trace's tracers, leaked into every later one. Made here, they are concrete.
+    with jax.ensure_compile_time_eval():
+        return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 @functools.cache

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.models import ModelConfigError, Policy, sharding, tiny_qwen3_moe
+from sao_jax.models import layers
 from sao_jax.models.layers import AttentionLayout, dot_product_attention, splash_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:model.attention=splash off TPU")
@@ -81,6 +82,18 @@ def test_a_splash_policy_gives_the_xla_policys_logits(policies):
     real = np.asarray(mask)[..., None]
     np.testing.assert_allclose(np.where(real, splash(tokens, attention_mask=mask), 0),
                                np.where(real, xla(tokens, attention_mask=mask), 0), rtol=1e-4, atol=1e-5)  # fmt: skip
+
+
+def test_a_splash_policy_runs_in_two_jitted_functions(policies):
+    """The kernel is cached; made inside the first jit's trace, its mask arrays were that trace's
+    tracers, and the second function failed with UnexpectedTracerError."""
+    _, splash = policies
+    layers._splash_kernel.cache_clear()
+    graph, state = nnx.split(splash)
+    tokens = jax.random.randint(jax.random.key(4), (2, 20), 0, 97)
+    once = jax.jit(lambda state, tokens: nnx.merge(graph, state)(tokens))(state, tokens)
+    twice = jax.jit(lambda state, tokens: 2 * nnx.merge(graph, state)(tokens))(state, tokens)
+    np.testing.assert_allclose(twice, 2 * once, rtol=1e-6)
 
 
 @pytest.mark.slow
