@@ -37,7 +37,8 @@ T = sequence length, c = compute itemsize:
 Gradients are held once (twice — accumulator + current — when train_batch > micro_batch). The policy
 and critic updates run one after another (TTUR), so the train peak is
     persistent (both models' weights, masters, moments) + max(policy grads + acts, critic grads + acts).
-KV cache (rollout): 2 · L · B · T_max · kv · hd · c, sharded by ("batch", "length", "kv_heads", "head_dim").
+KV cache (rollout): 2 · L · B · T_max · kv · hd · c, sharded by ("batch", "length", "kv_heads", "head_dim"),
+    + its RoPE table 2 · T_max · r/2 · 4 (r = rotary dims; on every chip) + lengths 4 · B.
 
 Step time from FLOPs (N = matmul parameters one token uses: every ≥2-d weight except the embedding
 gather, routed experts scaled by k/E; N_train = its trainable part; causal attention with a kernel that
@@ -258,6 +259,7 @@ def kv_cache_bytes(config: models.ModelConfig, batch: int, max_len: int, mesh: M
     cache = jax.eval_shape(lambda: KVCache.init(config, batch, max_len))
     axes = ("batch", "length", "kv_heads", "head_dim")
     parts = [_split(a.shape, axes, a.dtype, mesh) for a in (*cache.keys, *cache.values)]
+    parts += [_split(a.shape, (), a.dtype, mesh) for a in cache.rope]  # replicated
     return _add(_split(cache.lengths.shape, ("batch",), cache.lengths.dtype, mesh), *parts)
 
 

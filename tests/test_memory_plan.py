@@ -118,19 +118,22 @@ def test_f32_weights_hold_gradients_and_moments_in_f32_without_a_master():
         mp.plan(tiny_qwen3_moe(), MESH, chips=8, weights="float32", master_f32=True)
 
 
+ROPE_TABLE = 2 * 16 * 4 * 4  # (cos, sin) · T · rotary_dim/2 (hd 8) · float32, on every chip
+
+
 def test_kv_cache_bytes_and_per_chip_division(tiny_plan):
     # 2 (K, V) · L · B · T · kv · hd · 4 bytes (float32 compute) + lengths int32[B]; B=4, T=16.
     kv_total = 2 * 2 * 4 * 16 * 2 * 8 * 4 + 4 * 4
-    assert tiny_plan["kv_cache"]["total"] == kv_total
+    assert tiny_plan["kv_cache"]["total"] == kv_total + ROPE_TABLE
     # batch over data·fsdp = 4: one sequence per chip; kv heads unsplit (tensor=1).
-    assert tiny_plan["kv_cache"]["per_chip"] == 2 * 2 * 1 * 16 * 2 * 8 * 4 + 4
-    assert tiny_plan["kv_bytes_per_sequence"] == kv_total // 4
+    assert tiny_plan["kv_cache"]["per_chip"] == 2 * 2 * 1 * 16 * 2 * 8 * 4 + 4 + ROPE_TABLE
+    assert tiny_plan["kv_bytes_per_sequence"] == (kv_total + ROPE_TABLE) // 4
 
 
 def test_kv_cache_splits_kv_heads_over_tensor():
     mesh = mp.resolve_mesh({"data": 2, "tensor": 2}, 4)
     kv = mp.kv_cache_bytes(tiny_qwen3_moe(), batch=4, max_len=16, mesh=mesh)
-    assert kv["per_chip"] == 2 * 2 * 2 * 16 * 1 * 8 * 4 + 2 * 4  # 2 sequences, 1 of 2 kv heads
+    assert kv["per_chip"] == 2 * 2 * 2 * 16 * 1 * 8 * 4 + 2 * 4 + ROPE_TABLE  # 2 sequences, 1 of 2 kv heads
 
 
 def test_activations_with_full_remat(tiny_plan):
