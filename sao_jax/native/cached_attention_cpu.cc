@@ -148,8 +148,8 @@ void AttendTask(const float* q, const KV* k, const KV* v, const int32_t* num_key
   }
   for (int64_t start = 0; start < n; start += kBlock) {
     const int64_t width = std::min(kBlock, n - start);
-    // scores p[h][i] = q_h · k_i, one kv head and kRows slots at a time (past the block's end: a
-    // row of zeros); the first kv head's pass prefetches whole rows, the others find them in cache
+    // scores p[h][i] = q_h · k_i, kRows slots at a time, each kv head in turn (past the block's
+    // end: a row of zeros); the rows kAhead slots on are prefetched whole
     for (int64_t i = 0; i < width; i += kRows) {
       for (int64_t r = 0; r < kRows; ++r)
         if (start + i + r + kAhead < n) Prefetch(k0 + (start + i + r + kAhead) * slot_stride, row_width);
