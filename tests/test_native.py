@@ -86,3 +86,13 @@ def test_build_is_cached_by_source(monkeypatch, tmp_path):
     assert native._build(source) == first and first.stat().st_size > 0
     source.write_text('extern "C" int tiny() { return 2; }\n')
     assert native._build(source) != first
+
+
+def test_build_is_cached_by_the_headers_beside_the_source(monkeypatch, tmp_path):
+    monkeypatch.setenv("SAO_JAX_KERNEL_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "value.h").write_text("#define VALUE 1\n")
+    source = tmp_path / "tiny.cc"
+    source.write_text('#include "value.h"\nextern "C" int tiny() { return VALUE; }\n')
+    first = native._build(source)
+    (tmp_path / "value.h").write_text("#define VALUE 2\n")
+    assert native._build(source) != first

@@ -6,7 +6,8 @@ Routing is described in `ModelConfig` and implemented in `route`; four dispatche
 `jax.lax.ragged_dot`), `blocked_dispatch` (tokens grouped by expert in fixed-size blocks) — these
 three give the same numbers — and `capacity_dispatch` (a fixed number of slots per expert; the same
 numbers unless an expert overflows, whose extra assignments are dropped). Decode steps of "blocked"
-take `gathered_dispatch` (one or two rows) or a dropless `capacity_dispatch` (a few rows per expert).
+take `gathered_dispatch` (one or two rows) or a dropless `capacity_dispatch` (a few rows per expert;
+on the CPU its experts run their filled slots only, `filled_slots_swiglu`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sao_jax import native
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.layers import normal_param
 
@@ -31,6 +33,23 @@ def swiglu(x, gate_proj, up_proj, down_proj):
     """(silu(x·G) ⊙ x·U)·D for x [..., embed], G, U [embed, mlp], D [mlp, embed]; with a leading
     group axis on all four (x [groups, rows, embed], G [groups, embed, mlp], ...), one per group."""
     return (jax.nn.silu(x @ gate_proj) * (x @ up_proj)) @ down_proj
+
+
+def filled_slots_swiglu(x_slots, filled, gate_proj, up_proj, down_proj):
+    """`swiglu` per expert on a capacity buffer x_slots [experts, capacity, embed] whose slots
+    r >= filled[e] are zero rows (so their outputs are 0). On the CPU, for float32 and embed, mlp
+    widths ≤ 512, the native kernel (`sao_jax/native/expert_swiglu_cpu.cc`) runs the filled slots
+    only; elsewhere the batched matmul runs them all. Not differentiable on the kernel path (a
+    decode step's)."""
+    embed, mlp = gate_proj.shape[1], gate_proj.shape[2]
+    kernel = (all(a.dtype == jnp.float32 for a in (x_slots, gate_proj, up_proj, down_proj))
+              and embed % 8 == 0 and mlp % 8 == 0 and max(embed, mlp) <= 512  # sums that fit in L1
+              and jax.default_backend() == "cpu" and native.expert_swiglu_available())  # fmt: skip
+    if not kernel:
+        return swiglu(x_slots, gate_proj, up_proj, down_proj)
+    call = jax.ffi.ffi_call(native.EXPERT_SWIGLU_TARGET, jax.ShapeDtypeStruct(x_slots.shape, jnp.float32),
+                            vmap_method="sequential")  # fmt: skip
+    return call(x_slots, filled.astype(jnp.int32), gate_proj, up_proj, down_proj)
 
 
 class FeedForward(nnx.Module):
@@ -158,7 +177,8 @@ def capacity_slots(expert_ids, num_experts: int, capacity: int, token_mask=None)
     return slot, (slot < capacity) & real[:, None]
 
 
-def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, capacity: int, token_mask=None):
+def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, capacity: int, token_mask=None,
+                      skip_empty_slots: bool = False):  # fmt: skip
     """Capacity dispatch (Switch / GShard): each expert e has `capacity` slots; an assignment (t, j)
     that gets a slot (see `capacity_slots`) is gathered into buffer [e, slot], the experts run as one
     batched matmul over [experts, capacity, embed], and results are gathered back:
@@ -166,7 +186,8 @@ def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, 
     A dropped assignment (its expert full) contributes 0 and gets no gradient; the residual stream
     still carries the token. Equals `dense_dispatch` when nothing is dropped. Costs
     experts · capacity ≈ capacity_factor · tokens · k token-expert products, gathers rather than
-    [tokens, experts, capacity] one-hot matmuls.
+    [tokens, experts, capacity] one-hot matmuls. `skip_empty_slots` runs the experts through
+    `filled_slots_swiglu` (a decode step's: not differentiable on the CPU).
     """
     tokens, k = expert_ids.shape
     num_experts = gate_proj.shape[0]
@@ -176,7 +197,12 @@ def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, 
         jnp.repeat(jnp.arange(tokens, dtype=jnp.int32), k), mode="drop"
     )  # token in each slot; empty slots hold `tokens` (out of range, gathered as zeros)
     x_slots = jnp.take(x, slot_token, axis=0, mode="fill", fill_value=0).reshape(num_experts, capacity, -1)
-    out_slots = swiglu(x_slots, gate_proj, up_proj, down_proj).reshape(num_experts * capacity, -1)  # batched
+    if skip_empty_slots:  # expert e's kept assignments fill its slots 0, 1, ..., filled[e] − 1
+        filled = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32) * kept[..., None], axis=(0, 1))
+        out_slots = filled_slots_swiglu(x_slots, filled, gate_proj, up_proj, down_proj)
+    else:
+        out_slots = swiglu(x_slots, gate_proj, up_proj, down_proj)  # batched
+    out_slots = out_slots.reshape(num_experts * capacity, -1)
     out_pairs = jnp.take(out_slots, buffer_index, axis=0, mode="fill", fill_value=0)  # [tokens, k, embed]
     return jnp.einsum("tkd,tk->td", out_pairs, weights.astype(x.dtype))
 
@@ -211,11 +237,12 @@ def few_tokens_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     num_experts = gate_proj.shape[0]
     small = min(tokens, 2 * -(-tokens * k // num_experts))
     args = (x, expert_ids, weights, gate_proj, up_proj, down_proj)
+    dispatch = functools.partial(capacity_dispatch, skip_empty_slots=True)
     if small == tokens:
-        return capacity_dispatch(*args, capacity=tokens)
+        return dispatch(*args, capacity=tokens)
     most = jnp.max(jnp.bincount(expert_ids.reshape(-1), length=num_experts))
-    return jax.lax.cond(most <= small, functools.partial(capacity_dispatch, capacity=small),
-                        functools.partial(capacity_dispatch, capacity=tokens), *args)  # fmt: skip
+    return jax.lax.cond(most <= small, functools.partial(dispatch, capacity=small),
+                        functools.partial(dispatch, capacity=tokens), *args)  # fmt: skip
 
 
 def blocked_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):

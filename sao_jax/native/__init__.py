@@ -1,16 +1,19 @@
 """CPU kernels compiled from this folder's C++ and called through the XLA FFI.
 
-Two kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row, and
-`cached_attention_cpu.cc`, a decode step's attention over the KV cache read in place. Each is built
-on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI headers that
-ship with jaxlib, for this machine's CPU (`-march=native`), cached as `<cache>/<name>-<hash>.so`
-(the hash covers the source, the jaxlib version, the compiler and the CPU), then registered with
-`jax.ffi.register_ffi_target` for the CPU platform. `<cache>` is `$SAO_JAX_KERNEL_CACHE`, else
-`$XDG_CACHE_HOME/sao_jax/kernels`, else `~/.cache/sao_jax/kernels`. Concurrent builds (several
-processes) each write a private file and rename it into place, so a reader never sees half a library.
+Three kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row;
+`cached_attention_cpu.cc`, a decode step's attention over the KV cache read in place; and
+`expert_swiglu_cpu.cc`, the experts' SwiGLU over a decode step's capacity buffer, filled slots only.
+Each is built on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI
+headers that ship with jaxlib, for this machine's CPU (`-march=native`), cached as
+`<cache>/<name>-<hash>.so` (the hash covers the source and this folder's headers, the jaxlib
+version, the compiler and the CPU), then registered with `jax.ffi.register_ffi_target` for the CPU
+platform. `<cache>` is `$SAO_JAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sao_jax/kernels`, else
+`~/.cache/sao_jax/kernels`. Concurrent builds (several processes) each write a private file and
+rename it into place, so a reader never sees half a library.
 
-Without a compiler a kernel is unavailable: `gae_kernel_available()` / `cached_attention_available()`
-say so, log why once, and the callers fall back to their XLA paths (same results).
+Without a compiler a kernel is unavailable: `gae_kernel_available()`, `cached_attention_available()`
+and `expert_swiglu_available()` say so, log why once, and the callers fall back to their XLA paths
+(same results).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 GAE_TARGET = "sao_skip_observation_gae"
 CACHED_ATTENTION_TARGET = "sao_cached_attention"
+EXPERT_SWIGLU_TARGET = "sao_expert_swiglu"
 _HERE = Path(__file__).parent
 
 
@@ -61,7 +65,7 @@ def _build(source: Path) -> Path:
     compiler_path = shutil.which(compiler)
     if compiler_path is None:
         raise RuntimeError(f"no C++ compiler found (looked for {compiler!r}; set $CXX)")
-    text = source.read_bytes()
+    text = source.read_bytes() + b"".join(header.read_bytes() for header in sorted(source.parent.glob("*.h")))
     key = hashlib.sha256(text + jaxlib.__version__.encode() + compiler_path.encode() + _cpu_identity()).hexdigest()
     library = kernel_cache_dir() / f"{source.stem}-{key[:16]}.so"
     if library.exists():
@@ -104,3 +108,11 @@ def cached_attention_available() -> bool:
     fails."""
     return _register("cached_attention_cpu.cc", "SaoCachedAttention", CACHED_ATTENTION_TARGET,
                      "decoding with the einsum attention")
+
+
+@functools.cache
+def expert_swiglu_available() -> bool:
+    """Builds and registers the experts' SwiGLU kernel (once per process); False, logged, if that
+    fails."""
+    return _register("expert_swiglu_cpu.cc", "SaoExpertSwiglu", EXPERT_SWIGLU_TARGET,
+                     "running every capacity slot through the batched matmul")

@@ -20,44 +20,24 @@
 // The tasks are spread over XLA's intra-op thread pool when it has one.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <type_traits>
 
+#include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// exp(x) for x <= 0 (softmax terms), written out so the compiler can vectorize it without
-// -ffast-math: x = n·ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative
-// error < 2e-7 there), times 2^n built in the exponent bits; x < −87 (below float's normal range)
-// gives 0.
-inline float ExpNonPositive(float x) {
-  const float clamped = std::max(x, -87.0f);
-  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5·2^23
-  const float r = (clamped - n * 0.693359375f) + n * 2.12194440e-4f;  // ln2 in two parts
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
-}
+using sao_native::ExpNonPositive;
+using sao_native::kLanes;
+using sao_native::Load;
+using sao_native::ParallelFor;
+using sao_native::Vec;
 
-// Vectors of 8 floats (GCC/Clang vector extensions): one AVX register, two SSE or NEON registers.
-typedef float Vec __attribute__((vector_size(32)));
-constexpr int64_t kLanes = 8;
 constexpr int64_t kBlock = 64;     // slots per block: its scores stay in L1 between the passes
 constexpr int64_t kMaxGroup = 8;   // query heads per kv head
 constexpr int64_t kRows = 4;       // slots scored at once (their loads of q are shared)
@@ -73,11 +53,6 @@ constexpr int64_t kAhead = 16;
 template <typename KV>
 constexpr KV kZeros[kMaxHeadDim] = {};
 
-inline Vec Load(const float* p) {
-  Vec v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 inline Vec Load(const uint16_t* p) {  // 8 bfloat16 values, widened
   uint16_t half[kLanes];
   std::memcpy(half, p, sizeof(half));
@@ -212,35 +187,6 @@ int64_t TaskHeads(const Shape& s, int64_t threads) {
   return fits && s.batch * s.time >= 2 * (threads + 1) ? s.kv_heads : 1;
 }
 
-// Runs body(0), ..., body(count − 1) on the calling thread and, when it has one, XLA's intra-op
-// thread pool. The caller takes tasks too, so the call finishes even if no pool thread ever starts.
-// A helper that starts after the caller has closed the work returns without touching the caller's
-// stack (`body`): the caller sets `closed`, then waits for `active` to be 0, and a helper raises
-// `active` before it reads `closed` (sequentially consistent atomics: one of the two sees the other).
-template <typename Body>
-void ParallelFor(ffi::ThreadPool& pool, int64_t count, const Body& body) {
-  struct Work {
-    std::atomic<int64_t> next{0};
-    std::atomic<int64_t> active{0};
-    std::atomic<bool> closed{false};
-  };
-  auto work = std::make_shared<Work>();
-  const Body* shared_body = &body;
-  auto drain = [](Work& w, int64_t count, const Body& body) {
-    for (int64_t i; (i = w.next.fetch_add(1)) < count;) body(i);
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), count - 1);
-  for (int64_t h = 0; h < helpers; ++h) {
-    pool.Schedule([work, count, shared_body, drain] {
-      work->active.fetch_add(1);
-      if (!work->closed.load()) drain(*work, count, *shared_body);
-      work->active.fetch_sub(1);
-    });
-  }
-  drain(*work, count, body);
-  work->closed.store(true);
-  while (work->active.load() != 0) std::this_thread::yield();
-}
 
 ffi::Error CachedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> new_k,
                                ffi::Buffer<ffi::F32> new_v, ffi::Buffer<ffi::S32> write_slots,

@@ -20,6 +20,7 @@ from sao_jax.models.moe import (
     dense_dispatch,
     expert_capacity,
     few_tokens_dispatch,
+    filled_slots_swiglu,
     gathered_dispatch,
     load_balancing_loss,
     route,
@@ -108,12 +109,13 @@ def test_blocked_dispatch_fits_extreme_routings(routing):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("d, f", [(8, 5), (16, 32)])  # (16, 32): the experts' CPU kernel
 @pytest.mark.parametrize("routing", ["balanced", "all_on_two_experts"])
-def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(routing):
+def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(routing, d, f):
     """32 tokens, top 2 of 8 experts: 16 slots per expert suffice for a balanced routing (8 each);
     with every token on experts 0 and 1 (32 each) it must take the room-for-every-token branch."""
     rng = np.random.default_rng(3)
-    tokens, num_experts, d, f = 32, 8, 8, 5
+    tokens, num_experts = 32, 8
     expert_ids = {
         "balanced": np.stack([np.arange(tokens) % 8, (np.arange(tokens) + 3) % 8], axis=1),
         "all_on_two_experts": np.tile(np.array([[0, 1]]), (tokens, 1)),
@@ -125,6 +127,26 @@ def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(rou
     out = jax.jit(few_tokens_dispatch)(*map(jnp.asarray, (x, expert_ids, weights, gate, up, down)))
     expected = _dispatch_reference(x, expert_ids, weights, gate, up, down)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("filled", [[0, 1, 3, 4, 5, 8, 13, 9], [13] * 8])
+def test_filled_slots_swiglu_kernel_equals_swiglu_on_the_filled_slots(filled):
+    """The CPU kernel runs expert e over slots r < filled[e] only, in blocks of 4 rows (0, 1, 3, 4,
+    5 and 13 filled slots: no block, part of one, whole ones) and gives 0 in the empty slots."""
+    rng = np.random.default_rng(5)
+    num_experts, capacity, d, f = 8, 13, 32, 48
+    filled = np.array(filled, np.int32)
+    x = rng.normal(size=(num_experts, capacity, d)) * (np.arange(capacity)[None, :, None] < filled[:, None, None])
+    gate, up = (rng.normal(size=(num_experts, d, f)) * 0.3 for _ in range(2))
+    down = rng.normal(size=(num_experts, f, d)) * 0.3
+    inputs = [jnp.asarray(a, jnp.float32) for a in (x, gate, up, down)]
+    lowered = jax.jit(filled_slots_swiglu).lower(inputs[0], jnp.asarray(filled), *inputs[1:])
+    assert "sao_expert_swiglu" in lowered.as_text()  # the kernel, not the batched matmul
+    got = np.asarray(lowered.compile()(inputs[0], jnp.asarray(filled), *inputs[1:]))
+    x, gate, up, down = (np.asarray(a, np.float64) for a in inputs)
+    want = np.einsum("ecf,efd->ecd", _silu(np.einsum("ecd,edf->ecf", x, gate)) * np.einsum("ecd,edf->ecf", x, up), down)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert not np.any(got[np.arange(capacity)[None, :] >= filled[:, None]])  # empty slots: exactly 0
 
 
 def _dispatch_problem(seed, tokens=20, num_experts=6, k=2, d=8, f=4):
