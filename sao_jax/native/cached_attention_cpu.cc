@@ -32,11 +32,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using sao_native::ExpNonPositive;
-using sao_native::kLanes;
-using sao_native::Load;
-using sao_native::ParallelFor;
-using sao_native::Vec;
+using namespace sao_native;  // Vec, Load, ExpNonPositive, ParallelFor: cpu_common.h
+using sao_native::Load;      // an overload set with the bfloat16 Load below
 
 constexpr int64_t kBlock = 64;     // slots per block: its scores stay in L1 between the passes
 constexpr int64_t kMaxGroup = 8;   // query heads per kv head

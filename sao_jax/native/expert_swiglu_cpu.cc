@@ -27,11 +27,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using sao_native::ExpNonPositive;
-using sao_native::kLanes;
-using sao_native::Load;
-using sao_native::ParallelFor;
-using sao_native::Vec;
+using namespace sao_native;  // Vec, Load, ExpNonPositive, ParallelFor: cpu_common.h
 
 constexpr int64_t kRowBlock = 8;  // rows whose sums one pass over the weights updates
 
