@@ -38,12 +38,12 @@ def swiglu(x, gate_proj, up_proj, down_proj):
 def filled_slots_swiglu(x_slots, filled, gate_proj, up_proj, down_proj):
     """`swiglu` per expert on a capacity buffer x_slots [experts, capacity, embed] whose slots
     r >= filled[e] are zero rows (so their outputs are 0). On the CPU, for float32 and embed, mlp
-    widths ≤ 512, the native kernel (`sao_jax/native/expert_swiglu_cpu.cc`) runs the filled slots
-    only; elsewhere the batched matmul runs them all. Not differentiable on the kernel path (a
-    decode step's)."""
+    widths that are multiples of 16, the native kernel (`sao_jax/native/expert_swiglu_cpu.cc`) runs
+    the filled slots only; elsewhere the batched matmul runs them all. Not differentiable on the
+    kernel path (a decode step's)."""
     embed, mlp = gate_proj.shape[1], gate_proj.shape[2]
     kernel = (all(a.dtype == jnp.float32 for a in (x_slots, gate_proj, up_proj, down_proj))
-              and embed % 8 == 0 and mlp % 8 == 0 and max(embed, mlp) <= 512  # sums that fit in L1
+              and embed % 16 == 0 and mlp % 16 == 0
               and jax.default_backend() == "cpu" and native.expert_swiglu_available())  # fmt: skip
     if not kernel:
         return swiglu(x_slots, gate_proj, up_proj, down_proj)

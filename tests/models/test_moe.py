@@ -129,12 +129,13 @@ def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(rou
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("filled", [[0, 1, 3, 4, 5, 8, 13, 9], [13] * 8])
+@pytest.mark.parametrize("filled", [[0, 1, 3, 4, 5, 8, 13, 17], [17] * 8])
 def test_filled_slots_swiglu_kernel_equals_swiglu_on_the_filled_slots(filled):
-    """The CPU kernel runs expert e over slots r < filled[e] only, in blocks of 4 rows (0, 1, 3, 4,
-    5 and 13 filled slots: no block, part of one, whole ones) and gives 0 in the empty slots."""
+    """The CPU kernel runs expert e over slots r < filled[e] only, 8, 4, 2 and 1 rows at a time (0,
+    1, 3, 4, 5, 8, 13 and 17 filled slots take every combination), reads the weights in panels of 8
+    rows (embed 32: 4 panels; mlp 48: 6) and gives 0 in the empty slots."""
     rng = np.random.default_rng(5)
-    num_experts, capacity, d, f = 8, 13, 32, 48
+    num_experts, capacity, d, f = 8, 17, 32, 48
     filled = np.array(filled, np.int32)
     x = rng.normal(size=(num_experts, capacity, d)) * (np.arange(capacity)[None, :, None] < filled[:, None, None])
     gate, up = (rng.normal(size=(num_experts, d, f)) * 0.3 for _ in range(2))
@@ -147,6 +148,12 @@ def test_filled_slots_swiglu_kernel_equals_swiglu_on_the_filled_slots(filled):
     want = np.einsum("ecf,efd->ecd", _silu(np.einsum("ecd,edf->ecf", x, gate)) * np.einsum("ecd,edf->ecf", x, up), down)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
     assert not np.any(got[np.arange(capacity)[None, :] >= filled[:, None]])  # empty slots: exactly 0
+
+
+def test_filled_slots_swiglu_runs_the_batched_matmul_for_widths_the_kernel_does_not_take():
+    x, gate, up, down = (jnp.ones(shape, jnp.float32) for shape in [(2, 3, 24), (2, 24, 32), (2, 24, 32), (2, 32, 24)])
+    lowered = jax.jit(filled_slots_swiglu).lower(x, jnp.array([3, 1], jnp.int32), gate, up, down)
+    assert "sao_expert_swiglu" not in lowered.as_text()  # embed 24: not a multiple of 16
 
 
 def _dispatch_problem(seed, tokens=20, num_experts=6, k=2, d=8, f=4):
