@@ -200,6 +200,15 @@ def causal_attention(q, k, v, allowed):
     return jnp.concatenate(blocks, axis=1)
 
 
+def decode_kernel_applies(num_heads: int, kv_heads: int, head_dim: int, cache_dtype) -> bool:
+    """Whether a decode step's `cached_attention` (one query per row) runs the native CPU kernel.
+    The kernel reads only the slots each row attends, so a caller need not cut the cache to a window
+    of slots first (`Sampler.decode_chunk`)."""
+    return (jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16) and num_heads // kv_heads <= 8
+            and head_dim % 8 == 0 and head_dim <= 256  # what the kernel takes
+            and jax.default_backend() == "cpu" and native.cached_attention_available())  # fmt: skip
+
+
 def cached_attention(q, k, v, cache_kv, layout: AttentionLayout):
     """The chunk's keys and values k, v [batch, time, kv_heads, head_dim] written into
     `cache_kv = (keys, values)` [batch, slots, kv_heads, head_dim] at `layout.write_slots`
@@ -216,11 +225,7 @@ def cached_attention(q, k, v, cache_kv, layout: AttentionLayout):
     scatter and the einsum.
     """
     cache_k, cache_v = cache_kv
-    group, head_dim = q.shape[2] // cache_k.shape[2], q.shape[3]
-    kernel = (q.shape[1] == 1 and cache_k.dtype in (jnp.float32, jnp.bfloat16) and group <= 8
-              and head_dim % 8 == 0 and head_dim <= 256  # what the kernel takes
-              and jax.default_backend() == "cpu" and native.cached_attention_available())  # fmt: skip
-    if not kernel:
+    if not (q.shape[1] == 1 and decode_kernel_applies(q.shape[2], cache_k.shape[2], q.shape[3], cache_k.dtype)):
         cache_k, cache_v = write_cache(cache_k, k, layout.write_slots), write_cache(cache_v, v, layout.write_slots)
         out = dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), layout.allowed)
         return out, (cache_k, cache_v)

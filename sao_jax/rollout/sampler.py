@@ -4,7 +4,8 @@ The sampler is a set of pure jitted functions over `(params, DecodeState)`, wher
 state half of `nnx.split(policy)`: new weights can be passed to any call (the rollout engine publishes
 versions between decode chunks) without recompiling. `prefill` compiles once per (batch, max_len,
 chunk width), `decode_chunk` once per (batch, max_len, window) with windows from `window_for` (four
-sizes per octave); the sampling settings are fixed per `Sampler`.
+sizes per octave, or only the cache length where the decode attention kernel runs); the sampling
+settings are fixed per `Sampler`.
 
 The state of a batch of rows (one sequence each) is the KV cache plus, per row, the logits of the next
 token given everything fed so far (`next_logits`). Three calls move it forward:
@@ -51,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from sao_jax.models.layers import KVCache
+from sao_jax.models.layers import KVCache, decode_kernel_applies
 
 
 @struct.dataclass
@@ -212,7 +213,9 @@ class Sampler:
         window: attend over the first `window` cache slots only (default: all). Attention costs
         grow with the slots it reads, so sequences much shorter than the cache decode faster; a row
         that reaches `window` pauses (not finished) and goes on in the next chunk. Use
-        `window_for` to pick one of few compiled sizes.
+        `window_for` to pick one of few compiled sizes. Where the decode attention kernel runs
+        (`decode_kernel_applies`) it reads only the slots each row has filled, so the cache is not
+        cut (that would copy it) and the window only pauses rows.
         """
         max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
         stop_ids = jnp.asarray(stop_ids, jnp.int32)
@@ -222,9 +225,12 @@ class Sampler:
     def window_for(self, state: DecodeState, longest: int) -> int:
         """The window a chunk needs when no row is longer than `longest` tokens at its end: the next of
         64, 80, 96, 112, 128, 160, … (four sizes per octave, b·(1 + j/4) for powers of two b ≥ 64),
-        at most the cache length. A decode step reads the whole window of K and V, so windows finer
-        than powers of two read fewer slots (on average 7/8 as many), for at most 4 compiled sizes
-        per doubling of the sequence length."""
+        at most the cache length. A decode step's einsum attention reads the whole window of K and V,
+        so windows finer than powers of two read fewer slots (on average 7/8 as many), for at most 4
+        compiled sizes per doubling of the sequence length. Where the decode attention kernel runs,
+        which reads only filled slots, the cache length: one compiled size."""
+        if self._kernel_attends_filled_slots(state.cache):
+            return state.cache.max_len
         longest = max(int(longest), 1)
         octave = max(64, 1 << (longest.bit_length() - 1))  # the power of two b with b ≤ longest < 2b
         quarters = max(0, -(-(longest - octave) * 4 // octave))  # smallest j with b·(1 + j/4) ≥ longest
@@ -275,8 +281,9 @@ class Sampler:
         full = state.cache
         budget = jnp.minimum(max_new_tokens, full.max_len - full.lengths)  # a row finishes when it is spent
         within_window = jnp.minimum(budget, window - full.lengths)  # a row pauses when it is spent
+        cut = window < full.max_len and not self._kernel_attends_filled_slots(full)
         cache = full.replace(keys=tuple(k[:, :window] for k in full.keys),
-                             values=tuple(v[:, :window] for v in full.values))  # fmt: skip
+                             values=tuple(v[:, :window] for v in full.values)) if cut else full  # fmt: skip
         out = DecodeChunk(
             tokens=jnp.zeros((batch, chunk), jnp.int32),
             logprobs=jnp.zeros((batch, chunk), jnp.float32),
@@ -319,5 +326,11 @@ class Sampler:
         def write_back(full_kv, window_kv):
             return tuple(jax.lax.dynamic_update_slice(f, w, (0, 0, 0, 0)) for f, w in zip(full_kv, window_kv))
 
-        cache = cache.replace(keys=write_back(full.keys, cache.keys), values=write_back(full.values, cache.values))
+        if cut:
+            cache = cache.replace(keys=write_back(full.keys, cache.keys), values=write_back(full.values, cache.values))
         return DecodeState(cache=cache, next_logits=next_logits), out
+
+    def _kernel_attends_filled_slots(self, cache: KVCache) -> bool:
+        """Whether a decode step runs the attention kernel, which reads only each row's filled slots."""
+        c = self.config
+        return decode_kernel_applies(c.num_heads, c.num_kv_heads, c.head_dim, cache.keys[0].dtype)

@@ -12,6 +12,8 @@ from flax import nnx
 
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.models import Policy, tiny_qwen3_moe
+from sao_jax import native
+from sao_jax.rollout import sampler as sampler_module
 from sao_jax.rollout.sampler import Generation, Sampler, entropy_of, sample_from, sampling_log_probs, stop_token_ids
 
 VOCAB = 97
@@ -159,13 +161,20 @@ def test_bad_settings_are_named(policy):
 
 
 @pytest.mark.slow
-def test_logprobs_equal_full_forward_through_observation_prefill(plain_sampler, params, full_logits):
+@pytest.mark.parametrize("attention", ["kernel", "einsum"])
+def test_logprobs_equal_full_forward_through_observation_prefill(policy, plain_sampler, params, full_logits,
+                                                                 monkeypatch, attention):  # fmt: skip
     """Prompts of lengths 3, 7, 1 → decode (a first chunk over an 8-slot window, in which the 7-token
     row pauses after 1 token; then chunks over 64-slot windows of the 96-slot cache) → observations
     of lengths 2, 0, 5 prefilled into the same cache → decode again. Every recorded log-prob and
     entropy equals the log-softmax of one uncached forward over the whole history; the logits after
     the observation equal re-encoding. The same keys with the rows in reverse order, decoded
-    without the pause, give the same tokens (a row's draws depend only on its key and positions)."""
+    without the pause, give the same tokens (a row's draws depend only on its key and positions).
+    Both decode attentions: the CPU kernel (reads each row's filled slots in the whole cache) and
+    the einsum (over the window's slots, cut from the cache and written back after the chunk)."""
+    if attention == "einsum":
+        monkeypatch.setattr(native, "cached_attention_available", lambda: False)
+        plain_sampler = Sampler(policy, chunk_size=4)  # traced while the kernel is off
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, n) for n in (3, 7, 1)]
     budgets = np.array([6, 9, 4])
@@ -281,12 +290,15 @@ def test_stop_tokens_budgets_and_cache_end_per_row(plain_sampler, params):
     assert int(chunk.num_tokens[3]) == 0 and bool(chunk.finished[3])
 
 
-def test_decode_windows_are_the_next_of_four_sizes_per_octave(plain_sampler):
-    """64, 80, 96, 112, 128, 160, …: the smallest at least as long as the longest row, capped by the cache."""
+@pytest.mark.parametrize("kernel", [False, True])
+def test_decode_windows_are_the_next_of_four_sizes_per_octave(plain_sampler, monkeypatch, kernel):
+    """64, 80, 96, 112, 128, 160, …: the smallest at least as long as the longest row, capped by the
+    cache; the cache length where the decode attention kernel (which reads filled slots only) runs."""
+    monkeypatch.setattr(sampler_module, "decode_kernel_applies", lambda *args: kernel)
     sizes = sorted({64} | {b + j * b // 4 for b in (2**k for k in range(6, 16)) for j in range(4)})
     state = plain_sampler.init_state(1, 3000)
     for longest in range(1, 3100):
-        want = min(3000, next(size for size in sizes if size >= longest))
+        want = 3000 if kernel else min(3000, next(size for size in sizes if size >= longest))
         assert plain_sampler.window_for(state, longest) == want, longest
 
 
