@@ -6,8 +6,8 @@ Routing is described in `ModelConfig` and implemented in `route`; four dispatche
 `jax.lax.ragged_dot`), `blocked_dispatch` (tokens grouped by expert in fixed-size blocks) — these
 three give the same numbers — and `capacity_dispatch` (a fixed number of slots per expert; the same
 numbers unless an expert overflows, whose extra assignments are dropped). Decode steps of "blocked"
-take `gathered_dispatch` (one or two rows) or a dropless `capacity_dispatch` (a few rows per expert;
-on the CPU its experts run their filled slots only, `filled_slots_swiglu`).
+take `gathered_dispatch` (one or two rows) or `few_tokens_dispatch` (a few rows per expert: on the
+CPU one native kernel, `routed_swiglu_cpu`; elsewhere a dropless `capacity_dispatch`).
 """
 
 from __future__ import annotations
@@ -35,21 +35,37 @@ def swiglu(x, gate_proj, up_proj, down_proj):
     return (jax.nn.silu(x @ gate_proj) * (x @ up_proj)) @ down_proj
 
 
-def filled_slots_swiglu(x_slots, filled, gate_proj, up_proj, down_proj):
-    """`swiglu` per expert on a capacity buffer x_slots [experts, capacity, embed] whose slots
-    r >= filled[e] are zero rows (so their outputs are 0). On the CPU, for float32 and embed, mlp
-    widths that are multiples of 16, the native kernel (`sao_jax/native/expert_swiglu_cpu.cc`) runs
-    the filled slots only; elsewhere the batched matmul runs them all. Not differentiable on the
-    kernel path (a decode step's)."""
-    embed, mlp = gate_proj.shape[1], gate_proj.shape[2]
-    kernel = (all(a.dtype == jnp.float32 for a in (x_slots, gate_proj, up_proj, down_proj))
-              and embed % 16 == 0 and mlp % 16 == 0
-              and jax.default_backend() == "cpu" and native.expert_swiglu_available())  # fmt: skip
-    if not kernel:
-        return swiglu(x_slots, gate_proj, up_proj, down_proj)
-    call = jax.ffi.ffi_call(native.EXPERT_SWIGLU_TARGET, jax.ShapeDtypeStruct(x_slots.shape, jnp.float32),
+def routed_kernel_applies(dtype, embed: int, mlp: int) -> bool:
+    """Whether `routed_swiglu_cpu` takes tokens and expert weights of this dtype and these widths:
+    on the CPU, float32, embed and mlp multiples of 16."""
+    return (jnp.dtype(dtype) == jnp.float32 and embed % 16 == 0 and mlp % 16 == 0
+            and jax.default_backend() == "cpu" and native.expert_swiglu_available())  # fmt: skip
+
+
+@jax.custom_vjp
+def routed_swiglu_cpu(x, expert_ids, weights, gate_proj, up_proj, down_proj):
+    """out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t), dropless, by the native CPU kernel
+    (`sao_jax/native/expert_swiglu_cpu.cc`): each chosen expert's weights read once, for its tokens
+    only. The same numbers as `dense_dispatch`, whose VJP gives the gradients (a recomputation: the
+    kernel is for decode steps). Only where `routed_kernel_applies`."""
+    call = jax.ffi.ffi_call(native.EXPERT_SWIGLU_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
                             vmap_method="sequential")  # fmt: skip
-    return call(x_slots, filled.astype(jnp.int32), gate_proj, up_proj, down_proj)
+    return call(x, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), gate_proj, up_proj, down_proj)
+
+
+def _routed_swiglu_cpu_forward(x, expert_ids, weights, gate_proj, up_proj, down_proj):
+    out = routed_swiglu_cpu(x, expert_ids, weights, gate_proj, up_proj, down_proj)
+    return out, (x, expert_ids, weights, gate_proj, up_proj, down_proj)
+
+
+def _routed_swiglu_cpu_backward(residuals, cotangent):
+    x, expert_ids, *floats = residuals
+    _, vjp = jax.vjp(lambda x, *floats: dense_dispatch(x, expert_ids, *floats), x, *floats)
+    grad_x, *grad_floats = vjp(cotangent)
+    return grad_x, None, *grad_floats
+
+
+routed_swiglu_cpu.defvjp(_routed_swiglu_cpu_forward, _routed_swiglu_cpu_backward)
 
 
 class FeedForward(nnx.Module):
@@ -177,8 +193,7 @@ def capacity_slots(expert_ids, num_experts: int, capacity: int, token_mask=None)
     return slot, (slot < capacity) & real[:, None]
 
 
-def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, capacity: int, token_mask=None,
-                      skip_empty_slots: bool = False):  # fmt: skip
+def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, capacity: int, token_mask=None):
     """Capacity dispatch (Switch / GShard): each expert e has `capacity` slots; an assignment (t, j)
     that gets a slot (see `capacity_slots`) is gathered into buffer [e, slot], the experts run as one
     batched matmul over [experts, capacity, embed], and results are gathered back:
@@ -186,8 +201,7 @@ def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, 
     A dropped assignment (its expert full) contributes 0 and gets no gradient; the residual stream
     still carries the token. Equals `dense_dispatch` when nothing is dropped. Costs
     experts · capacity ≈ capacity_factor · tokens · k token-expert products, gathers rather than
-    [tokens, experts, capacity] one-hot matmuls. `skip_empty_slots` runs the experts through
-    `filled_slots_swiglu` (a decode step's: not differentiable on the CPU).
+    [tokens, experts, capacity] one-hot matmuls.
     """
     tokens, k = expert_ids.shape
     num_experts = gate_proj.shape[0]
@@ -197,12 +211,7 @@ def capacity_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, 
         jnp.repeat(jnp.arange(tokens, dtype=jnp.int32), k), mode="drop"
     )  # token in each slot; empty slots hold `tokens` (out of range, gathered as zeros)
     x_slots = jnp.take(x, slot_token, axis=0, mode="fill", fill_value=0).reshape(num_experts, capacity, -1)
-    if skip_empty_slots:  # expert e's kept assignments fill its slots 0, 1, ..., filled[e] − 1
-        filled = jnp.sum(jax.nn.one_hot(expert_ids, num_experts, dtype=jnp.int32) * kept[..., None], axis=(0, 1))
-        out_slots = filled_slots_swiglu(x_slots, filled, gate_proj, up_proj, down_proj)
-    else:
-        out_slots = swiglu(x_slots, gate_proj, up_proj, down_proj)  # batched
-    out_slots = out_slots.reshape(num_experts * capacity, -1)
+    out_slots = swiglu(x_slots, gate_proj, up_proj, down_proj).reshape(num_experts * capacity, -1)  # batched
     out_pairs = jnp.take(out_slots, buffer_index, axis=0, mode="fill", fill_value=0)  # [tokens, k, embed]
     return jnp.einsum("tkd,tk->td", out_pairs, weights.astype(x.dtype))
 
@@ -225,24 +234,26 @@ def gathered_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
 
 
 def few_tokens_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
-    """Dropless capacity dispatch for a decode step's few tokens: `capacity_dispatch` with
+    """A decode step's few tokens, dropless: out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t) as in
+    `dense_dispatch`. On the CPU (`routed_kernel_applies`), `routed_swiglu_cpu`: each chosen
+    expert's weights read once for its tokens. Elsewhere `capacity_dispatch` with
     C = min(tokens, 2 · ceil(tokens · k / experts)) slots per expert (twice an even share) when no
-    expert got more than C assignments, else with C = tokens (room for every token). Nothing is
-    dropped either way, so out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t) as in
-    `dense_dispatch`; with a router near balance the first branch runs, at 2 · tokens · k
-    token-expert products instead of experts · tokens. d256 MoE decoding 32 rows on the 2-core
-    CPU: 20.2 ms a step instead of 22.4 (the step reads every expert's weights either way).
+    expert got more than C assignments, else with C = tokens (room for every token), so nothing is
+    dropped; with a router near balance the first branch runs, at 2 · tokens · k token-expert
+    products instead of experts · tokens. d256 MoE decoding 32 rows on the 2-core CPU: 20.2 ms a step
+    instead of 22.4 (before the kernel; the step reads every expert's weights either way).
     """
+    args = (x, expert_ids, weights, gate_proj, up_proj, down_proj)
+    if x.dtype == gate_proj.dtype and routed_kernel_applies(x.dtype, *gate_proj.shape[1:]):
+        return routed_swiglu_cpu(*args)
     tokens, k = expert_ids.shape
     num_experts = gate_proj.shape[0]
     small = min(tokens, 2 * -(-tokens * k // num_experts))
-    args = (x, expert_ids, weights, gate_proj, up_proj, down_proj)
-    dispatch = functools.partial(capacity_dispatch, skip_empty_slots=True)
     if small == tokens:
-        return dispatch(*args, capacity=tokens)
+        return capacity_dispatch(*args, capacity=tokens)
     most = jnp.max(jnp.bincount(expert_ids.reshape(-1), length=num_experts))
-    return jax.lax.cond(most <= small, functools.partial(dispatch, capacity=small),
-                        functools.partial(dispatch, capacity=tokens), *args)  # fmt: skip
+    return jax.lax.cond(most <= small, functools.partial(capacity_dispatch, capacity=small),
+                        functools.partial(capacity_dispatch, capacity=tokens), *args)  # fmt: skip
 
 
 def blocked_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
@@ -392,16 +403,16 @@ class MoE(nnx.Module):
             capacity = expert_capacity(batch * time, self.config.num_experts_per_token, self.config.num_experts,
                                        self.config.moe_capacity_factor)  # fmt: skip
             dispatch = functools.partial(dispatch, capacity=capacity, token_mask=token_mask.reshape(-1))
-        elif dispatch is blocked_dispatch and 2 * batch * time * self.config.num_experts_per_token <= experts:
-            # One or two rows decoding: copying the few chosen experts' weights reads fewer bytes
-            # than running all of them. d256 MoE at batch 1 on the 2-core CPU: 600 decode tokens/s
-            # instead of 200 (benchmarks/RESULTS.md).
-            dispatch = gathered_dispatch
-        elif dispatch is blocked_dispatch and batch * time <= _FEW_TOKENS_PER_EXPERT * self.config.num_experts:
-            # A decode step: so few tokens that nearly every expert is hit, and the blocks would be
-            # a scan over about two tiny blocks per expert. Dropless capacity slots (the same
-            # numbers) run all experts in one batched matmul.
-            dispatch = few_tokens_dispatch
+        elif dispatch is blocked_dispatch and batch * time <= _FEW_TOKENS_PER_EXPERT * experts:
+            # A decode step: so few tokens that the blocks would be a scan over about two tiny
+            # blocks per expert. On the CPU one kernel runs the chosen experts on their tokens
+            # (`few_tokens_dispatch`); elsewhere, for one or two rows, copying the few chosen
+            # experts' weights reads fewer bytes than running all of them (d256 MoE at batch 1 on
+            # the 2-core CPU, before the kernel: 600 decode tokens/s instead of 200), and for more,
+            # dropless capacity slots (the same numbers) run all experts in one batched matmul.
+            few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
+            kernel = routed_kernel_applies(x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
+            dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
         dtype = x.dtype
         out = dispatch(flat, expert_ids, weights, self.experts.gate_proj[...].astype(dtype),
                        self.experts.up_proj[...].astype(dtype), self.experts.down_proj[...].astype(dtype))  # fmt: skip

@@ -1,20 +1,20 @@
-// The experts' SwiGLU over a capacity buffer on the CPU, as one XLA FFI call, skipping the buffer's
-// empty slots:
-//   h[e, r] = silu(x[e, r] · G[e]) ⊙ (x[e, r] · U[e]),   y[e, r] = h[e, r] · D[e]   for r < count[e]
-//   y[e, r] = 0                                                                       for r ≥ count[e]
-// with x [experts, capacity, embed], G and U [experts, embed, mlp], D [experts, mlp, embed]: what
-// `moe.swiglu` gives on a buffer whose slots r ≥ count[e] are zero rows.
-// Why a kernel: a decode step's dropless capacity buffer (`moe.few_tokens_dispatch`) holds about
-// twice as many slots as tokens, and XLA:CPU's batched dot runs them all. Here one task per expert
-// runs its filled slots only and reads each weight matrix once, in panels of 8 rows (contiguous),
-// prefetching the next panel into L2 while it multiplies this one; the sums for 8 slots × 16 columns
-// stay in registers across a panel. Such a step reads every expert's weights at a few rows each, so
-// the memory stream sets the pace: d256 MoE (8 experts, 256 → 512 → 256, ~8 of 16 slots filled) on
-// the 2-core CPU, 0.58–0.65 ms a layer against 0.75 for a first kernel that kept the sums of whole
-// rows in L1 and read the weights row after row, 1.27–1.66 ms for the batched dot, and 0.31 ms to
-// only read the weights; d512 (1024 wide), 2.8–3.1 ms against 4.5 for the batched dot. Without the
-// prefetch, 0.88 ms; a strip of 16 columns read down all rows with sums in registers throughout
-// (no panels), 0.85 ms: strided reads from DRAM.
+// A decode step's routed experts on the CPU, as one XLA FFI call: for tokens x [tokens, embed], their
+// top-k expert ids and weights [tokens, k], and expert weights G, U [experts, embed, mlp],
+// D [experts, mlp, embed],
+//   y[t] = Σ_j w[t, j] · SwiGLU_{e(t, j)}(x[t]),   SwiGLU_e(x) = (silu(x·G[e]) ⊙ x·U[e])·D[e],
+// what `moe.dense_dispatch` gives (dropless; an id outside [0, experts) contributes nothing).
+// Why a kernel: a decode step has a few tokens per expert, so it is bound by reading every chosen
+// expert's weights; XLA's dispatch (slots, gathers, a batched dot over padded slots, a cond on
+// the routing) cost about as much again. Here the assignments are grouped by expert (token order),
+// one task per expert with assignments gathers its tokens and reads each weight matrix once, in
+// panels of 8 rows (contiguous), prefetching the next panel into L2 while it multiplies this one,
+// the sums of 8 rows × 16 columns in registers across a panel; experts no token chose are not read.
+// Measured on the 2-core CPU, d256 MoE (8 experts, 256 → 512 → 256) with ~8 of 16 capacity slots
+// filled, the experts alone: 0.58–0.65 ms a layer against 0.75 for a first kernel that kept the
+// sums of whole rows in L1 and read the weights row after row, 1.27–1.66 ms for the batched dot,
+// 0.31 ms to only read the weights; d512 (1024 wide), 2.8–3.1 ms against 4.5 for the batched dot.
+// Without the prefetch, 0.88 ms; a strip of 16 columns read down all rows with sums in registers
+// throughout (no panels), 0.85 ms: strided reads from DRAM.
 // The tasks run over XLA's intra-op pool. silu(z) = z · sigmoid(z), sigmoid from
 // `ExpNonPositive` of −|z| (relative error < 2e-7).
 
@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <vector>
 
 #include "cpu_common.h"
 #include "xla/ffi/api/ffi.h"
@@ -44,7 +45,7 @@ inline float Silu(float z) {
 }
 
 struct Shape {
-  int64_t experts, capacity, embed, mlp;
+  int64_t experts, embed, mlp;
 };
 
 // acc[r][c0, c0 + 16) (+)= Σ_{k < kPanel} x[r][k] · panel[k][c0, c0 + 16) for r < kRows, the sums in
@@ -99,61 +100,88 @@ void RowsTimesMatrix(const float* x, int64_t x_stride, int64_t n, const float* w
   }
 }
 
-// Task e: h = silu(x·G) ⊙ x·U over expert e's filled slots, then y = h·D; its empty slots get 0.
-// scratch: 2 · capacity · mlp floats.
-void Expert(const float* x, const float* gate, const float* up, const float* down, const int32_t* count, float* y,
-            const Shape& s, int64_t e, float* scratch) {
-  const int64_t n = std::clamp<int64_t>(count[e], 0, s.capacity);
-  float* y_e = y + e * s.capacity * s.embed;
-  std::fill(y_e + n * s.embed, y_e + s.capacity * s.embed, 0.0f);
-  if (n == 0) return;
-  const float* x_e = x + e * s.capacity * s.embed;
-  float* g = scratch;                 // [n, mlp]
-  float* u = g + s.capacity * s.mlp;  // [n, mlp], then h
-  RowsTimesMatrix(x_e, s.embed, n, gate + e * s.embed * s.mlp, s.embed, s.mlp, g, s.mlp);
-  RowsTimesMatrix(x_e, s.embed, n, up + e * s.embed * s.mlp, s.embed, s.mlp, u, s.mlp);
+// Expert e's assignments (rows of x listed in `tokens`, n of them): h = silu(x·G) ⊙ x·U, then
+// out = h·D, [n, embed]. scratch: n · (embed + 2 · mlp) floats.
+void Expert(const float* x, const int64_t* tokens, int64_t n, const float* gate, const float* up, const float* down,
+            const Shape& s, int64_t e, float* out, float* scratch) {
+  float* rows = scratch;            // [n, embed], the tokens' rows gathered
+  float* g = rows + n * s.embed;    // [n, mlp]
+  float* u = g + n * s.mlp;         // [n, mlp], then h
+  for (int64_t r = 0; r < n; ++r) std::memcpy(rows + r * s.embed, x + tokens[r] * s.embed, s.embed * sizeof(float));
+  RowsTimesMatrix(rows, s.embed, n, gate + e * s.embed * s.mlp, s.embed, s.mlp, g, s.mlp);
+  RowsTimesMatrix(rows, s.embed, n, up + e * s.embed * s.mlp, s.embed, s.mlp, u, s.mlp);
   for (int64_t i = 0; i < n * s.mlp; i += kLanes) {
     Vec silu;
     const Vec g_i = Load(g + i);
     for (int64_t lane = 0; lane < kLanes; ++lane) silu[lane] = Silu(g_i[lane]);
     Store(Load(u + i) * silu, u + i);
   }
-  RowsTimesMatrix(u, s.mlp, n, down + e * s.mlp * s.embed, s.mlp, s.embed, y_e, s.embed);
+  RowsTimesMatrix(u, s.mlp, n, down + e * s.mlp * s.embed, s.mlp, s.embed, out, s.embed);
 }
 
-ffi::Error ExpertSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> count,
-                            ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up, ffi::Buffer<ffi::F32> down,
-                            ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions(), gd = gate.dimensions();
-  if (xd.size() != 3 || gd.size() != 3) {
-    return ffi::Error::InvalidArgument("x [experts, capacity, embed]; gate, up [experts, embed, mlp]");
-  }
-  const Shape s{xd[0], xd[1], xd[2], gd[2]};
-  const auto ud = up.dimensions(), dd = down.dimensions();
-  if (gd[0] != s.experts || gd[1] != s.embed || ud.size() != 3 || ud[0] != s.experts || ud[1] != s.embed ||
-      ud[2] != s.mlp || dd.size() != 3 || dd[0] != s.experts || dd[1] != s.mlp || dd[2] != s.embed ||
-      static_cast<int64_t>(count.element_count()) != s.experts || s.embed % kStrip != 0 || s.mlp % kStrip != 0) {
+ffi::Error RoutedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> expert_ids,
+                            ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
+                            ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), id = expert_ids.dimensions(), gd = gate.dimensions();
+  if (xd.size() != 2 || id.size() != 2 || id[0] != xd[0] || weights.dimensions().size() != 2 ||
+      weights.dimensions()[0] != id[0] || weights.dimensions()[1] != id[1] || gd.size() != 3) {
     return ffi::Error::InvalidArgument(
-        "expert swiglu: down [experts, mlp, embed], count [experts], embed and mlp multiples of 16");
+        "x [tokens, embed]; expert_ids, weights [tokens, k]; gate, up [experts, embed, mlp]");
   }
-  if (s.capacity == 0) return ffi::Error::Success();
-  const int64_t scratch_floats = 2 * s.capacity * s.mlp;
-  const std::unique_ptr<float[]> scratch(new float[s.experts * scratch_floats]);  // one allocation a call
+  const int64_t tokens = xd[0], k = id[1];
+  const Shape s{gd[0], xd[1], gd[2]};
+  const auto ud = up.dimensions(), dd = down.dimensions();
+  if (gd[1] != s.embed || ud.size() != 3 || ud[0] != s.experts || ud[1] != s.embed || ud[2] != s.mlp ||
+      dd.size() != 3 || dd[0] != s.experts || dd[1] != s.mlp || dd[2] != s.embed || s.embed % kStrip != 0 ||
+      s.mlp % kStrip != 0) {
+    return ffi::Error::InvalidArgument(
+        "routed swiglu: down [experts, mlp, embed], embed and mlp multiples of 16");
+  }
+  const int32_t* ids = expert_ids.typed_data();
+  const float* w = weights.typed_data();
+  // Assignments (t, j) grouped by expert in token order: first[e] .. first[e + 1] of `order`.
+  std::vector<int64_t> first(s.experts + 1, 0), order(tokens * k), token_of(tokens * k), slot_of(tokens * k, -1);
+  for (int64_t a = 0; a < tokens * k; ++a)
+    if (ids[a] >= 0 && ids[a] < s.experts) ++first[ids[a] + 1];
+  for (int64_t e = 0; e < s.experts; ++e) first[e + 1] += first[e];
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  for (int64_t a = 0; a < tokens * k; ++a) {
+    if (ids[a] < 0 || ids[a] >= s.experts) continue;
+    slot_of[a] = next[ids[a]]++;
+    token_of[slot_of[a]] = a / k;
+  }
+  const int64_t assigned = first[s.experts];
+  const std::unique_ptr<float[]> outs(new float[assigned * s.embed]),  // uninitialized: every row is written
+      scratch(new float[assigned * (s.embed + 2 * s.mlp)]);
   ParallelFor(pool, s.experts, [&](int64_t e) {
-    Expert(x.typed_data(), gate.typed_data(), up.typed_data(), down.typed_data(), count.typed_data(),
-           y->typed_data(), s, e, scratch.get() + e * scratch_floats);
+    const int64_t n = first[e + 1] - first[e];
+    if (n == 0) return;
+    Expert(x.typed_data(), token_of.data() + first[e], n, gate.typed_data(), up.typed_data(), down.typed_data(), s,
+           e, outs.get() + first[e] * s.embed, scratch.get() + first[e] * (s.embed + 2 * s.mlp));
   });
+  float* out = y->typed_data();
+  for (int64_t t = 0; t < tokens; ++t) {  // y[t] = Σ_j w[t, j] · out of (t, j), j in order
+    float* y_t = out + t * s.embed;
+    std::fill(y_t, y_t + s.embed, 0.0f);
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t slot = slot_of[t * k + j];
+      if (slot < 0) continue;
+      const float* o = outs.get() + slot * s.embed;
+      for (int64_t c = 0; c < s.embed; c += kLanes) Store(Load(y_t + c) + w[t * k + j] * Load(o + c), y_t + c);
+    }
+  }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SaoExpertSwiglu, ExpertSwigluImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SaoExpertSwiglu, RoutedSwigluImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x slots
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // filled slots per expert
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [tokens, embed]
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert ids [tokens, k]
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights [tokens, k]
                                   .Arg<ffi::Buffer<ffi::F32>>()  // gate
                                   .Arg<ffi::Buffer<ffi::F32>>()  // up
                                   .Arg<ffi::Buffer<ffi::F32>>()  // down
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [tokens, embed]

@@ -20,10 +20,10 @@ from sao_jax.models.moe import (
     dense_dispatch,
     expert_capacity,
     few_tokens_dispatch,
-    filled_slots_swiglu,
     gathered_dispatch,
     load_balancing_loss,
     route,
+    routed_swiglu_cpu,
     sorted_dispatch,
 )
 
@@ -129,31 +129,44 @@ def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(rou
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("filled", [[0, 1, 3, 4, 5, 8, 13, 17], [17] * 8])
-def test_filled_slots_swiglu_kernel_equals_swiglu_on_the_filled_slots(filled):
-    """The CPU kernel runs expert e over slots r < filled[e] only, 8, 4, 2 and 1 rows at a time (0,
-    1, 3, 4, 5, 8, 13 and 17 filled slots take every combination), reads the weights in panels of 8
-    rows (embed 32: 4 panels; mlp 48: 6) and gives 0 in the empty slots."""
+@pytest.mark.parametrize("counts", [[0, 1, 3, 4, 5, 8, 13, 17], [0, 0, 0, 51, 0, 0, 0, 0]])
+def test_routed_swiglu_kernel_equals_the_per_token_sum(counts):
+    """The CPU kernel groups the assignments by expert and runs each expert's tokens 8, 4, 2 and 1
+    rows at a time (0, 1, 3, 4, 5, 8, 13 and 17 assignments take every combination; 51 on one
+    expert: six blocks of 8 and 2 + 1), reading the weights in panels of 8 rows (embed 32: 4
+    panels; mlp 48: 6); experts no token chose are skipped, and an id outside [0, experts) adds 0."""
     rng = np.random.default_rng(5)
-    num_experts, capacity, d, f = 8, 17, 32, 48
-    filled = np.array(filled, np.int32)
-    x = rng.normal(size=(num_experts, capacity, d)) * (np.arange(capacity)[None, :, None] < filled[:, None, None])
+    num_experts, tokens, k, d, f = 8, 17, 3, 32, 48
+    ids = np.concatenate([np.full(n, e) for e, n in enumerate(counts)])  # exactly counts[e] of expert e
+    ids = rng.permutation(np.concatenate([ids, np.full(tokens * k - len(ids), -1)])).reshape(tokens, k)
+    ids[ids < 0] = rng.choice([-1, num_experts, 99], size=int((ids < 0).sum()))  # out of range: dropped
+    x = rng.normal(size=(tokens, d))
+    weights = rng.uniform(0.1, 1.0, (tokens, k))
     gate, up = (rng.normal(size=(num_experts, d, f)) * 0.3 for _ in range(2))
     down = rng.normal(size=(num_experts, f, d)) * 0.3
-    inputs = [jnp.asarray(a, jnp.float32) for a in (x, gate, up, down)]
-    lowered = jax.jit(filled_slots_swiglu).lower(inputs[0], jnp.asarray(filled), *inputs[1:])
-    assert "sao_expert_swiglu" in lowered.as_text()  # the kernel, not the batched matmul
-    got = np.asarray(lowered.compile()(inputs[0], jnp.asarray(filled), *inputs[1:]))
-    x, gate, up, down = (np.asarray(a, np.float64) for a in inputs)
-    want = np.einsum("ecf,efd->ecd", _silu(np.einsum("ecd,edf->ecf", x, gate)) * np.einsum("ecd,edf->ecf", x, up), down)
+    floats = [jnp.asarray(a, jnp.float32) for a in (x, weights, gate, up, down)]
+    args = (floats[0], jnp.asarray(ids, jnp.int32), *floats[1:])
+    lowered = jax.jit(routed_swiglu_cpu).lower(*args)
+    assert "sao_expert_swiglu" in lowered.as_text()  # the kernel
+    got = np.asarray(lowered.compile()(*args))
+    x, weights, gate, up, down = (np.asarray(a, np.float64) for a in floats)
+    in_range = (ids >= 0) & (ids < num_experts)
+    want = _dispatch_reference(x, np.where(in_range, ids, 0), weights, gate, up, down, kept=in_range)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    assert not np.any(got[np.arange(capacity)[None, :] >= filled[:, None]])  # empty slots: exactly 0
 
 
-def test_filled_slots_swiglu_runs_the_batched_matmul_for_widths_the_kernel_does_not_take():
-    x, gate, up, down = (jnp.ones(shape, jnp.float32) for shape in [(2, 3, 24), (2, 24, 32), (2, 24, 32), (2, 32, 24)])
-    lowered = jax.jit(filled_slots_swiglu).lower(x, jnp.array([3, 1], jnp.int32), gate, up, down)
-    assert "sao_expert_swiglu" not in lowered.as_text()  # embed 24: not a multiple of 16
+def test_routed_swiglu_kernel_has_the_gradients_of_dense_dispatch():
+    x, expert_ids, weights, params = _dispatch_problem(4, d=16, f=32)
+    want = _grads(dense_dispatch, x, expert_ids, weights, params)
+    got = _grads(routed_swiglu_cpu, x, expert_ids, weights, params)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+
+
+def test_few_tokens_dispatch_runs_the_capacity_slots_for_widths_the_kernel_does_not_take():
+    x, expert_ids, weights, params = _dispatch_problem(6, d=24, f=32)  # embed 24: not a multiple of 16
+    lowered = jax.jit(few_tokens_dispatch).lower(x, expert_ids, weights, *params)
+    assert "sao_expert_swiglu" not in lowered.as_text()
 
 
 def _dispatch_problem(seed, tokens=20, num_experts=6, k=2, d=8, f=4):
