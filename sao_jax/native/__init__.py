@@ -2,8 +2,8 @@
 
 Three kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row;
 `cached_attention_cpu.cc`, a decode step's attention over the KV cache read in place; and
-`expert_swiglu_cpu.cc`, the experts' SwiGLU over a decode step's capacity buffer, filled slots only.
-Each is built on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI
+`expert_swiglu_cpu.cc`, a decode step's routed experts (each chosen expert's SwiGLU on its tokens,
+summed per token). Each is built on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI
 headers that ship with jaxlib, for this machine's CPU (`-march=native`), cached as
 `<cache>/<name>-<hash>.so` (the hash covers the source and this folder's headers, the jaxlib
 version, the compiler and the CPU), then registered with `jax.ffi.register_ffi_target` for the CPU
@@ -115,4 +115,4 @@ def expert_swiglu_available() -> bool:
     """Builds and registers the experts' SwiGLU kernel (once per process); False, logged, if that
     fails."""
     return _register("expert_swiglu_cpu.cc", "SaoExpertSwiglu", EXPERT_SWIGLU_TARGET,
-                     "running every capacity slot through the batched matmul")
+                     "running the decode steps' experts through XLA's dispatch")
