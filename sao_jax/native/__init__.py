@@ -3,8 +3,8 @@
 Three kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row;
 `cached_attention_cpu.cc`, a decode step's attention over the KV cache read in place; and
 `expert_swiglu_cpu.cc`, a decode step's routed experts (each chosen expert's SwiGLU on its tokens,
-summed per token). Each is built on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI
-headers that ship with jaxlib, for this machine's CPU (`-march=native`), cached as
+summed per token). Each is built on first use with the system C++ compiler (`$CXX`, else `c++`)
+against the XLA FFI headers that ship with jaxlib, for this machine's CPU (`-march=native`), cached as
 `<cache>/<name>-<hash>.so` (the hash covers the source and this folder's headers, the jaxlib
 version, the compiler and the CPU), then registered with `jax.ffi.register_ffi_target` for the CPU
 platform. `<cache>` is `$SAO_JAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sao_jax/kernels`, else
