@@ -48,6 +48,8 @@ def routed_swiglu_cpu(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     (`sao_jax/native/expert_swiglu_cpu.cc`): each chosen expert's weights read once, for its tokens
     only. The same numbers as `dense_dispatch`, whose VJP gives the gradients (a recomputation: the
     kernel is for decode steps). Only where `routed_kernel_applies`."""
+    if not native.expert_swiglu_available():  # builds and registers the kernel
+        raise RuntimeError("routed_swiglu_cpu: the CPU kernel is unavailable (logged why); use few_tokens_dispatch")
     call = jax.ffi.ffi_call(native.EXPERT_SWIGLU_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
                             vmap_method="sequential")  # fmt: skip
     return call(x, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), gate_proj, up_proj, down_proj)
