@@ -9,8 +9,8 @@
 // one task per expert with assignments gathers its tokens and reads each weight matrix once, in
 // panels of 8 rows (contiguous), prefetching the next panel into L2 while it multiplies this one,
 // the sums of 8 rows × 16 columns in registers across a panel; experts no token chose are not read.
-// Measured on the 2-core CPU, d256 MoE (8 experts, 256 → 512 → 256) with ~8 of 16 capacity slots
-// filled, the experts alone: 0.58–0.65 ms a layer against 0.75 for a first kernel that kept the
+// Measured on the 2-core CPU, d256 MoE (8 experts, 256 → 512 → 256) with about 8 tokens an expert,
+// the experts alone: 0.58–0.65 ms a layer against 0.75 for a first kernel that kept the
 // sums of whole rows in L1 and read the weights row after row, 1.27–1.66 ms for the batched dot,
 // 0.31 ms to only read the weights; d512 (1024 wide), 2.8–3.1 ms against 4.5 for the batched dot.
 // Without the prefetch, 0.88 ms; a strip of 16 columns read down all rows with sums in registers
@@ -139,8 +139,9 @@ ffi::Error RoutedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::
   }
   const int32_t* ids = expert_ids.typed_data();
   const float* w = weights.typed_data();
-  // Assignments (t, j) grouped by expert in token order: first[e] .. first[e + 1] of `order`.
-  std::vector<int64_t> first(s.experts + 1, 0), order(tokens * k), token_of(tokens * k), slot_of(tokens * k, -1);
+  // Assignments (t, j) grouped by expert in token order: expert e's are slots first[e] .. first[e + 1];
+  // slot_of[t · k + j] is (t, j)'s slot (−1: an id out of range), token_of[slot] its token.
+  std::vector<int64_t> first(s.experts + 1, 0), token_of(tokens * k), slot_of(tokens * k, -1);
   for (int64_t a = 0; a < tokens * k; ++a)
     if (ids[a] >= 0 && ids[a] < s.experts) ++first[ids[a] + 1];
   for (int64_t e = 0; e < s.experts; ++e) first[e + 1] += first[e];
