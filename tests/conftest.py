@@ -1,22 +1,25 @@
 """Shared test setup.
 
 Eight fake CPU devices are requested before JAX is imported anywhere, so mesh tests can build a
-(data=2, fsdp=2, expert=2) mesh; single-device code simply runs on device 0.
+(data=2, fsdp=2, expert=2) mesh; single-device code simply runs on device 0. XLA compiles without
+LLVM's optimisations (`tests/xla_flags.py`): the suite spends most of its time compiling.
 """
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from tests.xla_flags import xla_flags
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # The longest files, longest first (seconds on the 2-core CI machine). `make test` runs the suite on
 # two pytest-xdist workers, one file at a time each (`--dist loadfile`, so a module's compiled
 # fixtures are built once); starting these first keeps one worker from finishing long before the other.
 LONGEST_FILES = (
-    "tests/train/test_multiprocess.py",  # ~200: eight `sao-train` processes
-    "tests/train/test_resume.py",  # ~75: five runs, three killed or resumed
-    "tests/train/test_groups_trace.py",  # ~55
-    "tests/train/test_steps.py",  # ~50
+    "tests/train/test_multiprocess.py",  # ~290: ten `sao-train` processes
+    "tests/train/test_resume.py",  # ~150: five runs, three killed or resumed
+    "tests/train/test_groups_trace.py",  # ~110
+    "tests/train/test_steps.py",  # ~90
     "tests/train/test_micro_batches.py",
     "tests/test_train_step_bench.py",
     "tests/train/test_outputs.py",

@@ -14,6 +14,7 @@ from flax import nnx
 
 from sao_jax.models import Policy, tiny_qwen3_moe
 from tests.models._distributed_worker import flat_arrays, global_batch, next_token_loss
+from tests.xla_flags import xla_flags
 
 NUM_PROCESSES = 2
 TIMEOUT_S = 240
@@ -27,7 +28,7 @@ def free_port() -> int:
 
 
 def start_workers(work_dir: Path) -> list[subprocess.Popen]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices=1), JAX_PLATFORMS="cpu")
     port = free_port()
     return [
         subprocess.Popen(

@@ -24,6 +24,7 @@ from sao_jax.train import loop
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster
 from tests.test_advantages import ref_trace_turn_rewards
+from tests.xla_flags import xla_flags
 
 VOCAB = 97
 
@@ -334,7 +335,7 @@ def test_trace_run_resumes_exactly_and_mirrors_its_lines_to_wandb(tmp_path):
     (tmp_path / "fake" / "wandb").mkdir(parents=True)
     (tmp_path / "fake" / "wandb" / "__init__.py").write_text(FAKE_WANDB)
     env = dict(os.environ, PYTHONPATH=f"{tmp_path / 'fake'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               FAKE_WANDB_LOG=str(tmp_path / "wandb.jsonl"), XLA_FLAGS="",
+               FAKE_WANDB_LOG=str(tmp_path / "wandb.jsonl"), XLA_FLAGS=xla_flags(),
                JAX_COMPILATION_CACHE_DIR=str(tmp_path / "jax_cache"), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
 

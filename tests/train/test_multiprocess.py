@@ -19,6 +19,7 @@ from sao_jax.models import Policy, sharding, tiny_qwen3_moe
 from sao_jax.train import distributed
 from sao_jax.train.distributed import Cluster, process_block
 from sao_jax.train.loop import build_run
+from tests.xla_flags import xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -39,7 +40,7 @@ def free_port() -> int:
 
 
 def start(output_dir: Path, cache_dir: Path, *processes: str, devices: int = 1) -> subprocess.Popen:
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
     command = [sys.executable, "-m", "sao_jax.cli", *processes, f"output_dir={output_dir}", *TINY_RUN]

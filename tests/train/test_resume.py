@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from tests.xla_flags import xla_flags
+
 TINY_RUN = [
     "model.preset=tiny_qwen3_moe",
     "env.train_prompts=64",
@@ -40,7 +42,7 @@ def environment(cache_dir):
     # All runs share one persistent compilation cache: the same programs compile once.
     env = dict(os.environ)
     env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", XLA_FLAGS="")  # fmt: skip
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", XLA_FLAGS=xla_flags())  # fmt: skip
     return env
 
 
