@@ -14,7 +14,9 @@
 // sums of whole rows in L1 and read the weights row after row, 1.27–1.66 ms for the batched dot,
 // 0.31 ms to only read the weights; d512 (1024 wide), 2.8–3.1 ms against 4.5 for the batched dot.
 // Without the prefetch, 0.88 ms; a strip of 16 columns read down all rows with sums in registers
-// throughout (no panels), 0.85 ms: strided reads from DRAM.
+// throughout (no panels), 0.85 ms: strided reads from DRAM. Keeping the rows' inputs and sums in
+// the group orders below (one pointer for a block's 8 rows, not 8) took a d256 layer from
+// 0.68–0.80 to 0.55–0.60 ms and a d512 layer from 3.4–3.5 to 2.5 ms, alternated in one process.
 // The tasks run over XLA's intra-op pool. silu(z) = z · sigmoid(z), sigmoid from
 // `ExpNonPositive` of −|z| (relative error < 2e-7).
 
@@ -48,37 +50,51 @@ struct Shape {
   int64_t experts, embed, mlp;
 };
 
-// acc[r][c0, c0 + 16) (+)= Σ_{k < kPanel} x[r][k] · panel[k][c0, c0 + 16) for r < kRows, the sums in
-// registers; `first` starts them at 0 instead of acc.
-template <int kRows>
-inline void Block(const float* x, int64_t x_stride, const float* panel, int64_t width, int64_t c0, float* acc,
-                  int64_t acc_stride, bool first) {
-  Vec a[kRows][2];
-  for (int r = 0; r < kRows; ++r) {
-    a[r][0] = first ? Vec{} : Load(acc + r * acc_stride + c0);
-    a[r][1] = first ? Vec{} : Load(acc + r * acc_stride + c0 + kLanes);
+// The rows of a pass go in groups of 8, 4, 2, 1 (n's binary digits), so no row is computed for
+// nothing. A group of R rows starting at row r0 keeps its numbers at r0 · cols of a buffer, in one
+// of two orders that let one pointer and constant offsets reach all R rows (8 pointers, one per
+// row, spilled to the stack and ran at about half the speed):
+//   by depth:  [cols][R]           (a matrix product's input: x[r][k] at k · R + r)
+//   by strip:  [cols / 16][R][16]  (its output: y[r][c] at (c / 16) · 16R + 16r + c % 16)
+template <typename Body>
+inline void ForGroups(int64_t n, const Body& body) {
+  int64_t r0 = 0;
+  for (; n - r0 >= 8; r0 += 8) body(r0, std::integral_constant<int, 8>{});
+  if (n - r0 >= 4) body(r0, std::integral_constant<int, 4>{}), r0 += 4;
+  if (n - r0 >= 2) body(r0, std::integral_constant<int, 2>{}), r0 += 2;
+  if (n - r0 >= 1) body(r0, std::integral_constant<int, 1>{});
+}
+
+// acc[r][0, 16) (+)= Σ_{k < kPanel} x[k][r] · w[k][0, 16) for r < R: x by depth (at the panel's first
+// row), acc one strip of a group by strip, w the panel's 16 columns (rows `width` apart); the sums
+// stay in registers across the panel; `first` starts them at 0.
+template <int R>
+inline void Block(const float* x, const float* w, int64_t width, float* acc, bool first) {
+  Vec a[R][2];
+  for (int r = 0; r < R; ++r) {
+    a[r][0] = first ? Vec{} : Load(acc + r * kStrip);
+    a[r][1] = first ? Vec{} : Load(acc + r * kStrip + kLanes);
   }
 #pragma GCC unroll 8
   for (int64_t k = 0; k < kPanel; ++k) {
-    const Vec w0 = Load(panel + k * width + c0), w1 = Load(panel + k * width + c0 + kLanes);
+    const Vec w0 = Load(w + k * width), w1 = Load(w + k * width + kLanes);
 #pragma GCC unroll 8
-    for (int r = 0; r < kRows; ++r) {
-      const float xr = x[r * x_stride + k];
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[k * R + r];
       a[r][0] += xr * w0;
       a[r][1] += xr * w1;
     }
   }
-  for (int r = 0; r < kRows; ++r) {
-    Store(a[r][0], acc + r * acc_stride + c0);
-    Store(a[r][1], acc + r * acc_stride + c0 + kLanes);
+  for (int r = 0; r < R; ++r) {
+    Store(a[r][0], acc + r * kStrip);
+    Store(a[r][1], acc + r * kStrip + kLanes);
   }
 }
 
-// acc[r][·] = Σ_k x[r][k] · w[k][·] for r < n, w [depth, width] read a panel of kPanel rows at a
-// time, 16 columns after 16, while the same columns of the next panel are prefetched into L2.
-// Rows go 8, 4, 2, 1 at a time (n's binary digits), so no row is computed for nothing.
-void RowsTimesMatrix(const float* x, int64_t x_stride, int64_t n, const float* w, int64_t depth, int64_t width,
-                     float* acc, int64_t acc_stride) {
+// y = x · w for n rows: x [n, depth] by depth, w [depth, width] read a panel of kPanel rows at a time,
+// 16 columns after 16, while the same columns of the next panel are prefetched into L2; y [n, width]
+// by strip.
+void RowsTimesMatrix(const float* x, int64_t n, const float* w, int64_t depth, int64_t width, float* y) {
   for (int64_t k0 = 0; k0 < depth; k0 += kPanel) {
     const float* panel = w + k0 * width;
     const bool first = k0 == 0, prefetch = k0 + kPanel < depth;
@@ -86,37 +102,52 @@ void RowsTimesMatrix(const float* x, int64_t x_stride, int64_t n, const float* w
       if (prefetch) {
         for (int64_t k = 0; k < kPanel; ++k) __builtin_prefetch(panel + (kPanel + k) * width + c0, 0, 2);
       }
-      int64_t r = 0;
-      auto block = [&](auto rows) {
-        Block<decltype(rows)::value>(x + r * x_stride + k0, x_stride, panel, width, c0, acc + r * acc_stride,
-                                     acc_stride, first);
-        r += decltype(rows)::value;
-      };
-      while (n - r >= 8) block(std::integral_constant<int, 8>{});
-      if (n - r >= 4) block(std::integral_constant<int, 4>{});
-      if (n - r >= 2) block(std::integral_constant<int, 2>{});
-      if (n - r >= 1) block(std::integral_constant<int, 1>{});
+      ForGroups(n, [&](int64_t r0, auto rows) {
+        constexpr int R = decltype(rows)::value;
+        Block<R>(x + r0 * depth + k0 * R, panel + c0, width, y + r0 * width + c0 * R, first);
+      });
     }
   }
 }
 
 // Expert e's assignments (rows of x listed in `tokens`, n of them): h = silu(x·G) ⊙ x·U, then
-// out = h·D, [n, embed]. scratch: n · (embed + 2 · mlp) floats.
+// out = h·D, [n, embed] row after row. scratch: n · (embed + 2 · mlp) floats.
 void Expert(const float* x, const int64_t* tokens, int64_t n, const float* gate, const float* up, const float* down,
             const Shape& s, int64_t e, float* out, float* scratch) {
-  float* rows = scratch;            // [n, embed], the tokens' rows gathered
-  float* g = rows + n * s.embed;    // [n, mlp]
-  float* u = g + n * s.mlp;         // [n, mlp], then h
-  for (int64_t r = 0; r < n; ++r) std::memcpy(rows + r * s.embed, x + tokens[r] * s.embed, s.embed * sizeof(float));
-  RowsTimesMatrix(rows, s.embed, n, gate + e * s.embed * s.mlp, s.embed, s.mlp, g, s.mlp);
-  RowsTimesMatrix(rows, s.embed, n, up + e * s.embed * s.mlp, s.embed, s.mlp, u, s.mlp);
+  float* rows = scratch;            // [n, embed] by depth: the tokens' rows; later x·G·…·D by strip
+  float* g = rows + n * s.embed;    // [n, mlp] by strip; later h by depth
+  float* u = g + n * s.mlp;         // [n, mlp] by strip, then h
+  ForGroups(n, [&](int64_t r0, auto group) {
+    constexpr int R = decltype(group)::value;
+    for (int r = 0; r < R; ++r) {
+      const float* row = x + tokens[r0 + r] * s.embed;
+      for (int64_t k = 0; k < s.embed; ++k) rows[r0 * s.embed + k * R + r] = row[k];
+    }
+  });
+  RowsTimesMatrix(rows, n, gate + e * s.embed * s.mlp, s.embed, s.mlp, g);
+  RowsTimesMatrix(rows, n, up + e * s.embed * s.mlp, s.embed, s.mlp, u);
   for (int64_t i = 0; i < n * s.mlp; i += kLanes) {
     Vec silu;
     const Vec g_i = Load(g + i);
     for (int64_t lane = 0; lane < kLanes; ++lane) silu[lane] = Silu(g_i[lane]);
     Store(Load(u + i) * silu, u + i);
   }
-  RowsTimesMatrix(u, s.mlp, n, down + e * s.mlp * s.embed, s.mlp, s.embed, out, s.embed);
+  ForGroups(n, [&](int64_t r0, auto group) {  // h by strip (u) → by depth (g)
+    constexpr int R = decltype(group)::value;
+    const float* from = u + r0 * s.mlp;
+    float* to = g + r0 * s.mlp;
+    for (int64_t c0 = 0; c0 < s.mlp; c0 += kStrip)
+      for (int r = 0; r < R; ++r)
+        for (int64_t c = 0; c < kStrip; ++c) to[(c0 + c) * R + r] = from[c0 * R + r * kStrip + c];
+  });
+  RowsTimesMatrix(g, n, down + e * s.mlp * s.embed, s.mlp, s.embed, rows);
+  ForGroups(n, [&](int64_t r0, auto group) {  // by strip → row after row
+    constexpr int R = decltype(group)::value;
+    const float* from = rows + r0 * s.embed;
+    for (int r = 0; r < R; ++r)
+      for (int64_t c0 = 0; c0 < s.embed; c0 += kStrip)
+        std::memcpy(out + (r0 + r) * s.embed + c0, from + c0 * R + r * kStrip, kStrip * sizeof(float));
+  });
 }
 
 ffi::Error RoutedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> expert_ids,
