@@ -240,6 +240,28 @@ def test_sample_from_draws_by_the_distribution_and_never_outside_its_support():
     assert np.sum((observed - expected) ** 2 / expected) < chi2.ppf(1 - 1e-4, df=len(support) - 1), observed
 
 
+@pytest.mark.parametrize("vocab", [1000, 77, 32, 5])
+def test_sample_from_is_the_inverse_of_the_cumulative_mass(vocab):
+    """Each draw is the first v whose float64 cumulative mass reaches u · total, with u = 1 − the
+    key's uniform number, for vocabularies of whole, partial and single blocks with zeros among the
+    entries; draws whose u · total lies within 1e-5 of a boundary are not compared (float32 sums)."""
+    rng = np.random.default_rng(vocab)
+    mu = rng.dirichlet(np.full(vocab, 0.3)) * (rng.random(vocab) < 0.7)
+    mu[rng.integers(vocab)] += 0.1
+    mu /= mu.sum()
+    log_mu = jnp.log(jnp.asarray(mu, jnp.float32))
+    keys = jax.random.split(jax.random.key(vocab), 2000)
+    tokens = np.asarray(jax.jit(jax.vmap(sample_from, in_axes=(0, None)))(keys, log_mu))
+    u = 1.0 - np.asarray(jax.vmap(lambda key: jax.random.uniform(key, ()))(keys), np.float64)
+    cumulative = np.cumsum(np.exp(np.asarray(log_mu, np.float64)))
+    target = u * cumulative[-1]
+    expected = np.searchsorted(cumulative, target)  # first v with cumulative[v] >= target
+    clear = np.min(np.abs(cumulative[None, :] - target[:, None]), axis=1) > 1e-5
+    assert clear.mean() > 0.9
+    np.testing.assert_array_equal(tokens[clear], expected[clear])
+    assert set(tokens) <= set(np.flatnonzero(mu))
+
+
 @pytest.mark.slow
 def test_draws_follow_the_recorded_distribution(truncating_sampler, params):
     """512 rows with the same prompt draw their first token independently from one μ: the empirical
