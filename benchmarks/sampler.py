@@ -12,7 +12,8 @@ of one prompt is compared first (max |Δ logit|). RoPE θ is Qwen3's 1e6 because
 RoPE with that θ whatever its config says (tunix 0.1.7).
 Each run: a batch of random prompts of `--prompt-len` tokens, then `--new-tokens` sampled tokens per
 row at temperature 1 with no top-k / top-p and no stop token (so every row decodes the same count).
-Times are medians of `--repeats` runs after one warm-up run (compilation excluded).
+Times are medians of `--repeats` runs after one warm-up run (compilation excluded); the runs of
+every side take turns (`interleaved_medians`), so a drift in the machine's speed reaches all sides.
 
 Columns, tok/s (each side's plain column: batch · new tokens / (prefill + decode) time; `dec`: the
 tokens after the prefill over the time after it):
@@ -62,18 +63,23 @@ MODELS = {
 QUICK_MODELS = {"d64": bench_config(64, 2, vocab_size=128)}
 
 
-def median_time(fn, repeats: int) -> float:
-    fn()  # warm-up (compiles)
-    times = []
+def interleaved_medians(runs: dict, repeats: int) -> dict:
+    """{name: median seconds of runs[name]()}: one warm-up call each (compiles), then `repeats`
+    rounds that call every run in turn, so that a machine slowing down or speeding up during the
+    benchmark moves every side's times alike instead of one side's."""
+    for run in runs.values():
+        run()
+    times = {name: [] for name in runs}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_ours(policy, prompts, new_tokens: int, chunk: int, repeats: int):
-    """(median total seconds, median prefill seconds)."""
+def ours_runs(policy, prompts, new_tokens: int, chunk: int) -> dict:
+    """{"total": prefill and decode, "prefill": prefill alone} for our sampler."""
     batch, prompt_len = prompts.shape
     sampler = Sampler(policy, chunk_size=chunk)
     params = nnx.state(policy)
@@ -92,11 +98,11 @@ def bench_ours(policy, prompts, new_tokens: int, chunk: int, repeats: int):
         state, generation = sampler.generate(params, prefill(), key, budgets, no_stop)
         assert (generation.lengths == new_tokens).all()
 
-    return median_time(total, repeats), median_time(prefill, repeats)
+    return {"total": total, "prefill": prefill}
 
 
-def bench_hf(hf_model, prompts, new_tokens: int, repeats: int):
-    """(median seconds for `new_tokens`, median seconds for 1: the prefill and one sampled token)."""
+def hf_runs(hf_model, prompts, new_tokens: int) -> dict:
+    """{"total": `new_tokens` sampled, "first": 1 sampled (the prefill and one token)} for transformers."""
     import torch
 
     ids = torch.from_numpy(prompts.astype(np.int64))
@@ -108,7 +114,7 @@ def bench_hf(hf_model, prompts, new_tokens: int, repeats: int):
                                     max_new_tokens=count, min_new_tokens=count, pad_token_id=0)  # fmt: skip
         assert out.shape[1] == prompts.shape[1] + count
 
-    return median_time(lambda: run(new_tokens), repeats), median_time(lambda: run(1), repeats)
+    return {"total": lambda: run(new_tokens), "first": lambda: run(1)}
 
 
 class _TokenIds:
@@ -150,8 +156,8 @@ def load_tunix(folder: str, config: ModelConfig):
     return qwen3_params.create_model_from_safe_tensors(folder, tunix_config)
 
 
-def bench_tunix(model, config: ModelConfig, prompts, new_tokens: int, repeats: int):
-    """(median seconds for `new_tokens`, median seconds for 1: the prefill and one sampled token)."""
+def tunix_runs(model, config: ModelConfig, prompts, new_tokens: int) -> dict:
+    """{"total": `new_tokens` sampled, "first": 1 sampled} for Tunix's sampler."""
     from tunix.generate import sampler as tunix_sampler
 
     batch, prompt_len = prompts.shape
@@ -165,7 +171,7 @@ def bench_tunix(model, config: ModelConfig, prompts, new_tokens: int, repeats: i
                       top_p=1.0, eos_tokens=[-1], seed=0, pad_output=True)  # fmt: skip
         assert all(len(tokens) == count for tokens in out.tokens)
 
-    return median_time(lambda: run(new_tokens), repeats), median_time(lambda: run(1), repeats)
+    return {"total": lambda: run(new_tokens), "first": lambda: run(1)}
 
 
 def tunix_logit_gap(policy, tunix_model, prompt) -> float:
@@ -222,15 +228,21 @@ def main():
         print("" if tunix_model is None else f"; ours - tunix = {tunix_logit_gap(policy, tunix_model, prompt):.2e}")
         for batch in batches:
             prompts = rng.integers(3, config.vocab_size, (batch, prompt_len)).astype(np.int32)
-            ours, ours_prefill = bench_ours(policy, prompts, new_tokens, args.chunk, repeats)
-            ours_decode = batch * new_tokens / (ours - ours_prefill)
-            hf, hf_first = bench_hf(hf_model, prompts, new_tokens, repeats)
-            hf_decode = batch * (new_tokens - 1) / (hf - hf_first)  # tokens 2.. (the first came with the prefill)
+            runs = {f"ours {k}": run for k, run in ours_runs(policy, prompts, new_tokens, args.chunk).items()}
+            runs.update({f"hf {k}": run for k, run in hf_runs(hf_model, prompts, new_tokens).items()})
+            if tunix_model is not None:
+                tunix_sides = tunix_runs(tunix_model, config, prompts, new_tokens)
+                runs.update({f"tunix {k}": run for k, run in tunix_sides.items()})
+            t = interleaved_medians(runs, repeats)
+            ours = t["ours total"]
+            ours_decode = batch * new_tokens / (ours - t["ours prefill"])
+            hf = t["hf total"]
+            hf_decode = batch * (new_tokens - 1) / (hf - t["hf first"])  # tokens 2.. (the first came with the prefill)
             produced = batch * new_tokens
             tunix = ""
             if tunix_model is not None:
-                tunix_total, tunix_first = bench_tunix(tunix_model, config, prompts, new_tokens, repeats)
-                tunix_decode = batch * (new_tokens - 1) / (tunix_total - tunix_first)
+                tunix_total = t["tunix total"]
+                tunix_decode = batch * (new_tokens - 1) / (tunix_total - t["tunix first"])
                 tunix = (f"{produced / tunix_total:>11.0f} {tunix_decode:>11.0f} {tunix_total / ours:>11.1f} "
                          f"{ours_decode / tunix_decode:>11.1f}")  # fmt: skip
             total_m, active_m = param_count(config) / 1e6, param_count(config, active=True) / 1e6

@@ -29,7 +29,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layers import Attention, AttentionLayout, KVCache, RMSNorm, normal_param, param, rope_angles
+from sao_jax.models.layers import (
+    Attention, AttentionLayout, KVCache, RMSNorm, few_rows_kernel_applies, few_rows_matmul, normal_param, param,
+    rope_angles,
+)
 from sao_jax.models.moe import FeedForward, MoE
 from sao_jax.models.sharding import with_logical_constraint
 
@@ -137,6 +140,11 @@ class Policy(Decoder):
     def forward(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
         """(logits float32 [batch, time, vocab], cache, aux_loss); see the module docstring."""
         hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache)
+        batch, time, d = hidden.shape
+        if time == 1 and not self.config.tie_word_embeddings and few_rows_kernel_applies(
+            batch, d, self.config.vocab_size, hidden.dtype
+        ):  # a decode step (float32, so the logits' dtype too)
+            return few_rows_matmul(hidden, self.lm_head.kernel[...].astype(hidden.dtype)), cache, aux_loss
         return _logits(hidden, self._head_kernel()), cache, aux_loss
 
     def token_logprobs(self, input_ids, attention_mask=None, *, chunk: int = 0):

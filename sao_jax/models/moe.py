@@ -21,7 +21,7 @@ from flax import nnx
 
 from sao_jax import native
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layers import normal_param
+from sao_jax.models.layers import few_rows_kernel_applies, few_rows_matmul, normal_param
 
 
 class RouterBias(nnx.Variable):
@@ -81,11 +81,14 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., embed]. The leading axes are flattened first: on XLA:CPU the backward of a
-        [batch, time, embed] matmul (contracting batch and time together) runs ~1.4× slower."""
+        [batch, time, embed] matmul (contracting batch and time together) runs ~1.4× slower. A
+        decode step's x [batch, 1, embed] goes through `few_rows_matmul` where it applies."""
         dtype = x.dtype
-        out = swiglu(x.reshape(-1, x.shape[-1]), self.gate_proj[...].astype(dtype), self.up_proj[...].astype(dtype),
-                     self.down_proj[...].astype(dtype))  # fmt: skip
-        return out.reshape(x.shape)
+        gate, up, down = (w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
+        rows = x.shape[0] if x.ndim == 3 and x.shape[1] == 1 else math.inf  # a decode step: [batch, 1, embed]
+        if all(few_rows_kernel_applies(rows, *w.shape, dtype) for w in (gate, down)):
+            return few_rows_matmul(jax.nn.silu(few_rows_matmul(x, gate)) * few_rows_matmul(x, up), down)
+        return swiglu(x.reshape(-1, x.shape[-1]), gate, up, down).reshape(x.shape)
 
 
 def route(router_logits, correction_bias, config: ModelConfig):
@@ -342,7 +345,8 @@ def _expert_blocks_backward(residuals, dy):
 expert_blocks.defvjp(_expert_blocks_forward, _expert_blocks_backward)
 
 
-# Calls with at most this many tokens per expert take the dropless capacity path (`MoE.__call__`).
+# Calls with at most this many tokens per expert take `few_tokens_dispatch` (`MoE.__call__`); so do
+# all decode steps where its CPU kernel runs.
 _FEW_TOKENS_PER_EXPERT = 4
 
 DISPATCHES = {
@@ -405,16 +409,19 @@ class MoE(nnx.Module):
             capacity = expert_capacity(batch * time, self.config.num_experts_per_token, self.config.num_experts,
                                        self.config.moe_capacity_factor)  # fmt: skip
             dispatch = functools.partial(dispatch, capacity=capacity, token_mask=token_mask.reshape(-1))
-        elif dispatch is blocked_dispatch and batch * time <= _FEW_TOKENS_PER_EXPERT * experts:
-            # A decode step: so few tokens that the blocks would be a scan over about two tiny
+        elif dispatch is blocked_dispatch:
+            # A decode step has so few tokens that the blocks would be a scan over about two tiny
             # blocks per expert. On the CPU one kernel runs the chosen experts on their tokens
-            # (`few_tokens_dispatch`); elsewhere, for one or two rows, copying the few chosen
-            # experts' weights reads fewer bytes than running all of them (d256 MoE at batch 1 on
-            # the 2-core CPU, before the kernel: 600 decode tokens/s instead of 200), and for more,
-            # dropless capacity slots (the same numbers) run all experts in one batched matmul.
-            few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
+            # (`few_tokens_dispatch`), at any batch: d256 MoE on the 2-core CPU decoded 64 rows in
+            # 8.7 ms a step instead of 16.1 with the blocks, 128 rows in 13.6 instead of 27.1.
+            # Elsewhere, for one or two rows, copying the few chosen experts' weights reads fewer
+            # bytes than running all of them (d256 MoE at batch 1 on the 2-core CPU, before the
+            # kernel: 600 decode tokens/s instead of 200), and for more, dropless capacity slots (the
+            # same numbers) run all experts in one batched matmul.
             kernel = routed_kernel_applies(x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
-            dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
+            if batch * time <= _FEW_TOKENS_PER_EXPERT * experts or (time == 1 and kernel):
+                few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
+                dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
         dtype = x.dtype
         out = dispatch(flat, expert_ids, weights, self.experts.gate_proj[...].astype(dtype),
                        self.experts.up_proj[...].astype(dtype), self.experts.down_proj[...].astype(dtype))  # fmt: skip

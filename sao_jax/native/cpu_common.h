@@ -1,6 +1,6 @@
-// What the CPU kernels of this folder share: 8-float vectors, a vectorizable exp, and a parallel
-// loop over XLA's intra-op thread pool. Included by each kernel's .cc (the build hashes this file
-// with the source).
+// What the CPU kernels of this folder share: 8-float vectors, row groups, a vectorizable exp, and a
+// parallel loop over XLA's intra-op thread pool. Included by each kernel's .cc (the build hashes
+// this file with the source).
 #pragma once
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -24,6 +25,20 @@ inline Vec Load(const float* p) {
   Vec v;
   std::memcpy(&v, p, sizeof(v));
   return v;
+}
+
+inline void Store(Vec v, float* p) { std::memcpy(p, &v, sizeof(v)); }
+
+// Calls body(r0, std::integral_constant<int, R>) for groups of R = 8, 4, 2, 1 consecutive rows that
+// cover rows [0, n) (8s first, then n's remaining binary digits): a kernel's register block for R
+// rows is a template, so no row is computed for nothing.
+template <typename Body>
+inline void ForGroups(int64_t n, const Body& body) {
+  int64_t r0 = 0;
+  for (; n - r0 >= 8; r0 += 8) body(r0, std::integral_constant<int, 8>{});
+  if (n - r0 >= 4) body(r0, std::integral_constant<int, 4>{}), r0 += 4;
+  if (n - r0 >= 2) body(r0, std::integral_constant<int, 2>{}), r0 += 2;
+  if (n - r0 >= 1) body(r0, std::integral_constant<int, 1>{});
 }
 
 // exp(x) for x <= 0 (softmax terms), written out so the compiler can vectorize it without

@@ -34,12 +34,10 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace sao_native;  // Vec, Load, ExpNonPositive, ParallelFor: cpu_common.h
+using namespace sao_native;  // Vec, Load, Store, ExpNonPositive, ForGroups, ParallelFor: cpu_common.h
 
 constexpr int64_t kPanel = 8;           // weight rows a pass reads (kPanel · width contiguous floats)
 constexpr int64_t kStrip = 2 * kLanes;  // columns whose sums a register block holds (one cache line)
-
-inline void Store(Vec v, float* p) { std::memcpy(p, &v, sizeof(v)); }
 
 inline float Silu(float z) {
   const float e = ExpNonPositive(-std::abs(z));  // exp(−|z|) ∈ (0, 1]
@@ -50,20 +48,12 @@ struct Shape {
   int64_t experts, embed, mlp;
 };
 
-// The rows of a pass go in groups of 8, 4, 2, 1 (n's binary digits), so no row is computed for
-// nothing. A group of R rows starting at row r0 keeps its numbers at r0 · cols of a buffer, in one
-// of two orders that let one pointer and constant offsets reach all R rows (8 pointers, one per
-// row, spilled to the stack and ran at about half the speed):
+// The rows of a pass go in groups (ForGroups, cpu_common.h). A group of R rows starting at row r0
+// keeps its numbers at r0 · cols of a buffer, in one of two orders that let one pointer and constant
+// offsets reach all R rows (8 pointers, one per row, spilled to the stack and ran at about half the
+// speed):
 //   by depth:  [cols][R]           (a matrix product's input: x[r][k] at k · R + r)
 //   by strip:  [cols / 16][R][16]  (its output: y[r][c] at (c / 16) · 16R + 16r + c % 16)
-template <typename Body>
-inline void ForGroups(int64_t n, const Body& body) {
-  int64_t r0 = 0;
-  for (; n - r0 >= 8; r0 += 8) body(r0, std::integral_constant<int, 8>{});
-  if (n - r0 >= 4) body(r0, std::integral_constant<int, 4>{}), r0 += 4;
-  if (n - r0 >= 2) body(r0, std::integral_constant<int, 2>{}), r0 += 2;
-  if (n - r0 >= 1) body(r0, std::integral_constant<int, 1>{});
-}
 
 // acc[r][0, 16) (+)= Σ_{k < kPanel} x[k][r] · w[k][0, 16) for r < R: x by depth (at the panel's first
 // row), acc one strip of a group by strip, w the panel's 16 columns (rows `width` apart); the sums

@@ -366,3 +366,21 @@ def test_moe_block_is_the_same_with_every_dispatch(time):
         np.testing.assert_allclose(np.asarray(out)[token_mask], np.asarray(dense_out)[token_mask],
                                    rtol=1e-5, atol=1e-5, err_msg=dispatch)  # fmt: skip (outputs reach ~10)
         np.testing.assert_allclose(float(aux), float(dense_aux), rtol=1e-6, err_msg=dispatch)
+
+
+@pytest.mark.parametrize("time", [1, 2])
+def test_a_decode_step_of_many_rows_runs_the_experts_kernel(time):
+    """48 rows, 4 experts: 24 assignments an expert, past the few-token rule (4 an expert). A decode
+    step (time 1) still runs the CPU kernel, and gives the blocks' numbers; 48 rows of 2 positions
+    run the blocks."""
+    config = tiny_qwen3_moe(moe_dispatch="blocked", initializer_range=0.5)  # 4 experts, embed 32, mlp 16
+    block = MoE(config, rngs=nnx.Rngs(3))
+    x = jax.random.normal(jax.random.key(1), (48, time, 32))
+    mask = jnp.ones((48, time), bool)
+    graphdef, state = nnx.split(block)
+    lowered = jax.jit(lambda x, mask: nnx.merge(graphdef, state)(x, mask)[0]).lower(x, mask)
+    assert ("sao_expert_swiglu" in lowered.as_text()) == (time == 1)
+    flat_params = (block.experts.gate_proj[...], block.experts.up_proj[...], block.experts.down_proj[...])
+    expert_ids, weights, _ = route(block.router(x.reshape(-1, 32)), None, config)
+    want = blocked_dispatch(x.reshape(-1, 32), expert_ids, weights, *flat_params).reshape(x.shape)
+    np.testing.assert_allclose(np.asarray(lowered.compile()(x, mask)), np.asarray(want), rtol=1e-5, atol=1e-5)

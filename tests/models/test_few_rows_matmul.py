@@ -1,0 +1,93 @@
+"""The decode steps' projection kernel (`few_rows_matmul_cpu`) against float64 numpy products, and
+where the model uses it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax.models import Policy, layers, tiny_qwen3_moe
+from sao_jax.models.layers import FEW_ROWS, Projection, few_rows_kernel_applies, few_rows_matmul_cpu
+
+KERNEL = "sao_few_rows_matmul"
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 32])
+def test_kernel_equals_a_float64_product(rows):
+    """Rows go 8, 4, 2, 1 at a time (13 = 8 + 4 + 1, 7 = 4 + 2 + 1, 3 = 2 + 1); groups of one or two
+    rows sum alternate depths in separate chains (depth 20: five rounds of four). Width 400 is 25
+    16-column strips, split into one range per pool thread (unevenly for 2, 3, 4 … threads)."""
+    rng = np.random.default_rng(rows)
+    x, w = rng.normal(size=(rows, 20)), rng.normal(size=(20, 400))
+    args = (jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+    lowered = jax.jit(few_rows_matmul_cpu).lower(*args)
+    assert KERNEL in lowered.as_text()
+    got = np.asarray(lowered.compile()(*args))
+    want = np.asarray(args[0], np.float64) @ np.asarray(args[1], np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_has_the_gradients_of_the_product():
+    rng = np.random.default_rng(0)
+    x, w = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32), jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+
+    def grads(matmul):
+        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(matmul(x, w))), argnums=(0, 1)))(x, w)
+
+    for got, want in zip(grads(few_rows_matmul_cpu), grads(jnp.matmul)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "rows, depth, width, dtype, kernel",
+    [(FEW_ROWS, 32, 16, jnp.float32, True), (FEW_ROWS + 1, 32, 16, jnp.float32, False),
+     (4, 30, 16, jnp.float32, False), (4, 32, 24, jnp.float32, False), (4, 32, 16, jnp.bfloat16, False)],
+)  # fmt: skip
+def test_the_kernel_applies_to_few_float32_rows_of_whole_strips(rows, depth, width, dtype, kernel):
+    """Up to FEW_ROWS float32 rows, depth a multiple of 4, width of 16."""
+    assert few_rows_kernel_applies(rows, depth, width, dtype) == kernel
+
+
+@pytest.mark.parametrize("equation, x_shape, kernel_shape", [
+    ("btd,dhk->bthk", (6, 1, 32), (32, 2, 16)),  # q, k, v: contracts one axis
+    ("bthk,hkd->btd", (6, 1, 2, 16), (2, 16, 48)),  # o: contracts heads and head_dim
+])  # fmt: skip
+def test_projection_of_a_decode_step_runs_the_kernel_and_equals_the_einsum(equation, x_shape, kernel_shape):
+    rng = np.random.default_rng(2)
+    config = tiny_qwen3_moe()
+    projection = Projection(equation, kernel_shape, (None,) * len(kernel_shape), None, None, config, nnx.Rngs(0))
+    projection.kernel.value = jnp.asarray(rng.normal(size=kernel_shape), jnp.float32)
+    graphdef, state = nnx.split(projection)
+    apply = jax.jit(lambda x: nnx.merge(graphdef, state)(x))
+    for time in (1, 3):  # a decode step runs the kernel; a longer chunk the einsum
+        x = jnp.asarray(rng.normal(size=(x_shape[0], time, *x_shape[2:])), jnp.float32)
+        lowered = apply.lower(x)
+        assert (KERNEL in lowered.as_text()) == (time == 1)
+        want = np.einsum(equation, np.asarray(x, np.float64), np.asarray(projection.kernel.value, np.float64))
+        np.testing.assert_allclose(np.asarray(lowered.compile()(x)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_without_the_kernel_a_decode_projection_is_the_einsum(monkeypatch):
+    """No compiler (or another backend): the einsum's numbers, and no custom call."""
+    monkeypatch.setattr(layers.native, "few_rows_matmul_available", lambda: False)
+    projection = Projection("btd,dhk->bthk", (32, 2, 16), (None,) * 3, None, None, tiny_qwen3_moe(), nnx.Rngs(0))
+    graphdef, state = nnx.split(projection)
+    x = jnp.ones((4, 1, 32), jnp.float32)
+    lowered = jax.jit(lambda x: nnx.merge(graphdef, state)(x)).lower(x)
+    assert KERNEL not in lowered.as_text()
+    want = np.einsum("btd,dhk->bthk", np.ones((4, 1, 32)), np.asarray(projection.kernel.value, np.float64))
+    np.testing.assert_allclose(np.asarray(lowered.compile()(x)), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_decode_step_of_the_policy_runs_every_projection_through_the_kernel():
+    """Layer 0 dense (q, k, v, o, gate, up, down), layer 1 MoE (q, k, v, o), the LM head (vocab 112):
+    12 kernel calls; the logits equal the first position of a 2-token forward (XLA's dots)."""
+    config = tiny_qwen3_moe(vocab_size=112, initializer_range=0.3)
+    graphdef, state = nnx.split(Policy(config, rngs=nnx.Rngs(0)))
+    forward = jax.jit(lambda ids: nnx.merge(graphdef, state)(ids))
+    ids = jnp.asarray(np.random.default_rng(4).integers(0, 112, (5, 2)), jnp.int32)
+    lowered = forward.lower(ids[:, :1])
+    assert lowered.as_text().count(f"@{KERNEL}") == 12
+    np.testing.assert_allclose(np.asarray(lowered.compile()(ids[:, :1])), np.asarray(forward(ids))[:, :1],
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
