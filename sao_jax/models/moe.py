@@ -6,8 +6,9 @@ Routing is described in `ModelConfig` and implemented in `route`; four dispatche
 `jax.lax.ragged_dot`), `blocked_dispatch` (tokens grouped by expert in fixed-size blocks) — these
 three give the same numbers — and `capacity_dispatch` (a fixed number of slots per expert; the same
 numbers unless an expert overflows, whose extra assignments are dropped). Decode steps of "blocked"
-take `gathered_dispatch` (one or two rows) or `few_tokens_dispatch` (a few rows per expert: on the
-CPU one native kernel, `routed_swiglu_cpu`; elsewhere a dropless `capacity_dispatch`).
+take `few_tokens_dispatch`: on the CPU one native kernel, `routed_swiglu_cpu`, at any batch;
+elsewhere, with a few rows per expert, a dropless `capacity_dispatch`, or `gathered_dispatch` for one
+or two rows.
 """
 
 from __future__ import annotations
