@@ -5,10 +5,10 @@ Routing is described in `ModelConfig` and implemented in `route`; four dispatche
 `dense_dispatch` (the readable reference), `sorted_dispatch` (tokens grouped by expert for
 `jax.lax.ragged_dot`), `blocked_dispatch` (tokens grouped by expert in fixed-size blocks) — these
 three give the same numbers — and `capacity_dispatch` (a fixed number of slots per expert; the same
-numbers unless an expert overflows, whose extra assignments are dropped). Decode steps of "blocked"
-take `few_tokens_dispatch`: on the CPU one native kernel, `routed_swiglu_cpu`, at any batch;
-elsewhere, with a few rows per expert, a dropless `capacity_dispatch`, or `gathered_dispatch` for one
-or two rows.
+numbers unless an expert overflows, whose extra assignments are dropped). On the CPU every decode
+step of "blocked" takes `few_tokens_dispatch`, which runs one native kernel (`routed_swiglu_cpu`);
+elsewhere steps of at most 4 rows per expert take `few_tokens_dispatch` (a dropless
+`capacity_dispatch`) or, for one or two rows, `gathered_dispatch`.
 """
 
 from __future__ import annotations
