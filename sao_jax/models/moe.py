@@ -419,10 +419,12 @@ class MoE(nnx.Module):
             # bytes than running all of them (d256 MoE at batch 1 on the 2-core CPU, before the
             # kernel: 600 decode tokens/s instead of 200), and for more, dropless capacity slots (the
             # same numbers) run all experts in one batched matmul.
-            kernel = routed_kernel_applies(x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
-            if batch * time <= _FEW_TOKENS_PER_EXPERT * experts or (time == 1 and kernel):
+            few_tokens = batch * time <= _FEW_TOKENS_PER_EXPERT * experts
+            if few_tokens or time == 1:
+                kernel = routed_kernel_applies(x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
                 few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
-                dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
+                if few_tokens or kernel:
+                    dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
         dtype = x.dtype
         out = dispatch(flat, expert_ids, weights, self.experts.gate_proj[...].astype(dtype),
                        self.experts.up_proj[...].astype(dtype), self.experts.down_proj[...].astype(dtype))  # fmt: skip
