@@ -304,7 +304,7 @@ def _warn_interpreted() -> None:
 
 
 # The most rows `few_rows_matmul_cpu` takes. d256 projections alone on the 2-core CPU: 94–103
-# GFLOP/s at 32 rows against 74–83 for XLA:CPU's dots, 93–108 against 130 at 128 rows; the d256
+# GFLOP/s at 32 rows against 71–83 for XLA:CPU's dots, 93–108 against 130 at 128 rows; the d256
 # dense decode step at batch 64 took 8.6 ms with the kernel and 7.6 without.
 FEW_ROWS = 32
 
