@@ -41,6 +41,20 @@ inline void ForGroups(int64_t n, const Body& body) {
   if (n - r0 >= 1) body(r0, std::integral_constant<int, 1>{});
 }
 
+// Copies rows row(0) … row(n − 1), `depth` floats each, into `out` by depth, group by group
+// (ForGroups): the k-th number of row r0 + r of a group of R rows lands at r0 · depth + k · R + r,
+// so one pointer reaches the R inputs of a depth.
+template <typename RowPointer>
+inline void CopyByDepth(int64_t n, int64_t depth, const RowPointer& row, float* out) {
+  ForGroups(n, [&](int64_t r0, auto group) {
+    constexpr int R = decltype(group)::value;
+    for (int r = 0; r < R; ++r) {
+      const float* from = row(r0 + r);
+      for (int64_t k = 0; k < depth; ++k) out[r0 * depth + k * R + r] = from[k];
+    }
+  });
+}
+
 // exp(x) for x <= 0 (softmax terms), written out so the compiler can vectorize it without
 // -ffast-math: x = n·ln2 + r with |r| <= ln2/2, exp(r) by its degree-6 Taylor polynomial (relative
 // error < 2e-7 there), times 2^n built in the exponent bits; x < −87 (below float's normal range)

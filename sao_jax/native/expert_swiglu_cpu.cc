@@ -34,7 +34,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace sao_native;  // Vec, Load, Store, ExpNonPositive, ForGroups, ParallelFor: cpu_common.h
+using namespace sao_native;  // Vec, Load, Store, ExpNonPositive, ForGroups, CopyByDepth, ParallelFor
 
 constexpr int64_t kPanel = 8;           // weight rows a pass reads (kPanel · width contiguous floats)
 constexpr int64_t kStrip = 2 * kLanes;  // columns whose sums a register block holds (one cache line)
@@ -107,13 +107,7 @@ void Expert(const float* x, const int64_t* tokens, int64_t n, const float* gate,
   float* rows = scratch;            // [n, embed] by depth: the tokens' rows; later x·G·…·D by strip
   float* g = rows + n * s.embed;    // [n, mlp] by strip; later h by depth
   float* u = g + n * s.mlp;         // [n, mlp] by strip, then h
-  ForGroups(n, [&](int64_t r0, auto group) {
-    constexpr int R = decltype(group)::value;
-    for (int r = 0; r < R; ++r) {
-      const float* row = x + tokens[r0 + r] * s.embed;
-      for (int64_t k = 0; k < s.embed; ++k) rows[r0 * s.embed + k * R + r] = row[k];
-    }
-  });
+  CopyByDepth(n, s.embed, [&](int64_t r) { return x + tokens[r] * s.embed; }, rows);
   RowsTimesMatrix(rows, n, gate + e * s.embed * s.mlp, s.embed, s.mlp, g);
   RowsTimesMatrix(rows, n, up + e * s.embed * s.mlp, s.embed, s.mlp, u);
   for (int64_t i = 0; i < n * s.mlp; i += kLanes) {

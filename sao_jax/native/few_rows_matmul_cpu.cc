@@ -5,10 +5,10 @@
 // rows and each strip it keeps the group's 8 × 16 sums in registers down the whole depth, so no
 // partial sum goes through memory, and the strip's weights come in row after row (a cache line each).
 // Rows go in groups of 8, 4, 2, 1 (cpu_common.h's ForGroups); a group's inputs are first copied in
-// depth order [depth][R], so one pointer reaches the R inputs of a depth. Groups of fewer than 4
-// rows split each sum into 4 / R chains over alternate depths: one or two rows' chains are too
-// few to hide the FMA latency (32 GFLOP/s for one row, 60 for two, 109–117 for 4–14 on one core,
-// inputs in L1).
+// depth order [depth][R] (CopyByDepth), so one pointer reaches the R inputs of a depth. Groups of
+// fewer than 4 rows split each sum into 4 / R chains over alternate depths: one or two rows' chains
+// are too few to hide the FMA latency (32 GFLOP/s for one row, 60 for two, 109–117 for 4–14 on one
+// core, inputs in L1).
 
 #include <algorithm>
 #include <cstdint>
@@ -21,7 +21,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using namespace sao_native;  // Vec, Load, Store, ForGroups, ParallelFor: cpu_common.h
+using namespace sao_native;  // Vec, Load, Store, ForGroups, CopyByDepth, ParallelFor: cpu_common.h
 
 constexpr int64_t kStrip = 2 * kLanes;  // columns whose sums a register block holds (one cache line)
 
@@ -60,12 +60,7 @@ ffi::Error FewRowsMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi:
   }
   const int64_t n = xd[0], depth = xd[1], width = wd[1], strips = width / kStrip;
   const std::unique_ptr<float[]> by_depth(new float[n * depth]);
-  ForGroups(n, [&](int64_t r0, auto group) {
-    constexpr int R = decltype(group)::value;
-    const float* from = x.typed_data() + r0 * depth;
-    for (int r = 0; r < R; ++r)
-      for (int64_t k = 0; k < depth; ++k) by_depth[r0 * depth + k * R + r] = from[r * depth + k];
-  });
+  CopyByDepth(n, depth, [&](int64_t r) { return x.typed_data() + r * depth; }, by_depth.get());
   // One task per thread: each reads its strips' weights once per group of rows.
   const int64_t tasks = std::min<int64_t>(strips, std::max<int64_t>(1, pool.num_threads()));
   ParallelFor(pool, tasks, [&](int64_t t) {
