@@ -14,7 +14,8 @@ from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.models import Policy, tiny_qwen3_moe
 from sao_jax import native
 from sao_jax.rollout import sampler as sampler_module
-from sao_jax.rollout.sampler import Generation, Sampler, entropy_of, sample_from, sampling_log_probs, stop_token_ids
+from sao_jax.rollout.sampler import (Generation, Sampler, entropy_of, sample_from, sampling_log_probs, slot_uniforms,
+                                    stop_token_ids)  # fmt: skip
 
 VOCAB = 97
 NO_STOP = np.full((3, 2), -1, np.int32)
@@ -232,7 +233,7 @@ def test_sample_from_draws_by_the_distribution_and_never_outside_its_support():
     mu[[3, 4, 10, 11, 30, 48]] = [0.4, 0.001, 0.2, 0.15, 0.049, 0.2]
     draws = 20_000
     tokens = np.asarray(jax.jit(jax.vmap(sample_from, in_axes=(0, None)))(
-        jax.random.split(jax.random.key(0), draws), jnp.log(mu)))  # fmt: skip
+        jax.random.uniform(jax.random.key(0), (draws,)), jnp.log(mu)))  # fmt: skip
     support = np.flatnonzero(mu)
     assert tokens.dtype == np.int32 and set(tokens) <= set(support)
     observed = np.array([np.sum(tokens == v) for v in support])
@@ -240,19 +241,39 @@ def test_sample_from_draws_by_the_distribution_and_never_outside_its_support():
     assert np.sum((observed - expected) ** 2 / expected) < chi2.ppf(1 - 1e-4, df=len(support) - 1), observed
 
 
+def test_slot_uniforms_are_jax_randoms_uniform_of_the_folded_key_bit_for_bit():
+    """slot_uniforms (a written-out threefry for JAX's default keys) against jax.random.uniform of
+    jax.random.fold_in, one at a time, for 500 keys and slots from 0 to 2^31 − 1, jitted, and with
+    `jax_threefry_partitionable` off (which changes JAX's bits: slot_uniforms must follow)."""
+    keys = jax.random.split(jax.random.key(3), 500)
+    slots = np.random.default_rng(3).integers(0, 2**31, 500).astype(np.int32)
+    slots[:3] = [0, 1, 2**31 - 1]
+
+    def expected():
+        return np.array([jax.random.uniform(jax.random.fold_in(k, s), ()) for k, s in zip(keys[:60], slots[:60])])
+
+    got = np.asarray(jax.jit(slot_uniforms)(keys, jnp.asarray(slots)))
+    assert got.dtype == np.float32 and 0 <= got.min() and got.max() < 1 and np.ptp(got) > 0.9
+    np.testing.assert_array_equal(got[:60], expected())
+    reference = jax.vmap(lambda k, s: jax.random.uniform(jax.random.fold_in(k, s), ()))(keys, slots)
+    np.testing.assert_array_equal(got, np.asarray(reference))
+    with jax.threefry_partitionable(False):
+        np.testing.assert_array_equal(np.asarray(slot_uniforms(keys[:60], jnp.asarray(slots[:60]))), expected())
+
+
 @pytest.mark.parametrize("vocab", [1000, 77, 32, 5])
 def test_sample_from_is_the_inverse_of_the_cumulative_mass(vocab):
     """Each draw is the first v whose float64 cumulative mass reaches u · total, with u = 1 − the
-    key's uniform number, for vocabularies of whole, partial and single blocks with zeros among the
+    uniform number, for vocabularies of whole, partial and single blocks with zeros among the
     entries; draws whose u · total lies within 1e-5 of a boundary are not compared (float32 sums)."""
     rng = np.random.default_rng(vocab)
     mu = rng.dirichlet(np.full(vocab, 0.3)) * (rng.random(vocab) < 0.7)
     mu[rng.integers(vocab)] += 0.1
     mu /= mu.sum()
     log_mu = jnp.log(jnp.asarray(mu, jnp.float32))
-    keys = jax.random.split(jax.random.key(vocab), 2000)
-    tokens = np.asarray(jax.jit(jax.vmap(sample_from, in_axes=(0, None)))(keys, log_mu))
-    u = 1.0 - np.asarray(jax.vmap(lambda key: jax.random.uniform(key, ()))(keys), np.float64)
+    uniforms = jax.random.uniform(jax.random.key(vocab), (2000,))
+    tokens = np.asarray(jax.jit(jax.vmap(sample_from, in_axes=(0, None)))(uniforms, log_mu))
+    u = 1.0 - np.asarray(uniforms, np.float64)
     cumulative = np.cumsum(np.exp(np.asarray(log_mu, np.float64)))
     target = u * cumulative[-1]
     expected = np.searchsorted(cumulative, target)  # first v with cumulative[v] >= target
