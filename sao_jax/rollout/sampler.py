@@ -162,26 +162,33 @@ def slot_uniforms(keys: jax.Array, slots: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(mantissa | jnp.uint32(0x3F800000), jnp.float32) - 1.0
 
 
+def _prefix_sums(x: jax.Array) -> jax.Array:
+    """cumsum of a short vector as one masked sum, Σ_{i≤j} x_i for each j (n² terms)."""
+    n = x.shape[0]
+    return jnp.sum(jnp.where(jnp.arange(n)[:, None] <= jnp.arange(n)[None, :], x[:, None], 0.0), axis=0)
+
+
 def sample_from(u: jax.Array, log_mu: jax.Array) -> jax.Array:
     """One token (int32) from μ = exp(log_mu) [vocab], by inversion at u ∈ [0, 1): the first v whose
     cumulative mass Σ_{w≤v} μ_w reaches (1 − u) · Σ_w μ_w, so a token with μ_v = 0 is never drawn
     ((1 − u) > 0). One uniform number per token, where `jax.random.categorical` draws a Gumbel variate
     (two logs) for every vocabulary entry: 0.55 ms of a 32-row decode step on the 2-core CPU.
 
-    The cumulative mass is found in two short scans: over the totals of blocks of `_INVERSION_BLOCK`
-    entries, then inside the block that reaches the target. XLA:CPU runs a scan as a tree of
-    reduce-windows; the two short ones took 0.07 ms a step for 32 rows of 1,024 where one over the
-    vocabulary took 0.25. Float rounding can put the boundary on an entry of no mass (never seen);
+    The cumulative mass is found in two short prefix sums: over the totals of blocks of
+    `_INVERSION_BLOCK` entries, then inside the block that reaches the target. XLA:CPU runs a cumsum
+    as a tree of reduce-windows: one over the vocabulary took 0.25 ms a step for 32 rows of 1,024,
+    two short ones 0.07; written as masked sums (`_prefix_sums`, one fusion each) the step's sampling
+    took 0.20 ms against 0.23 with the two short cumsums (traced). Float rounding can put the boundary on an entry of no mass (never seen);
     the block's likeliest entry is drawn then."""
     mass = jnp.exp(log_mu)
     vocab, size = mass.shape[0], _INVERSION_BLOCK
     blocks = jnp.pad(mass, (0, -vocab % size)).reshape(-1, size)
-    ends = jnp.cumsum(jnp.sum(blocks, axis=1))  # the mass up to each block's end
+    ends = _prefix_sums(jnp.sum(blocks, axis=1))  # the mass up to each block's end
     target = (1.0 - u) * ends[-1]
     block = jnp.minimum(jnp.sum(ends < target), blocks.shape[0] - 1)  # the first block to reach it
     start = jnp.where(block > 0, ends[jnp.maximum(block - 1, 0)], 0.0)
     entries = blocks[block]
-    inside = jnp.minimum(jnp.sum(start + jnp.cumsum(entries) < target), size - 1)
+    inside = jnp.minimum(jnp.sum(start + _prefix_sums(entries) < target), size - 1)
     inside = jnp.where(entries[inside] > 0, inside, jnp.argmax(entries))
     return (block * size + inside).astype(jnp.int32)
 
