@@ -22,8 +22,8 @@ A decode step samples token x_t from μ(· | next_logits), records log μ(x_t) a
 the cache and keeps the new logits. So a stop token is in the cache when a row stops, and an
 observation prefilled afterwards continues the same sequence: the history is never re-encoded.
 Randomness is per row: the token that lands in cache slot ℓ of row b is drawn (`sample_from`) at
-u = uniform(fold_in(keys[b], ℓ)) (`slot_uniforms`), so a sequence depends only on its own key, not on its batch neighbours, its
-row or how decoding was cut into chunks and windows.
+u = uniform(fold_in(keys[b], ℓ)) (`slot_uniforms`), so a sequence depends only on its own key, not
+on its batch neighbours, its row or how decoding was cut into chunks and windows.
 
 What is recorded — μ is the distribution the token is actually drawn from (`sampling_log_probs`;
 temperature, then top-k, then top-p, the order of transformers' sampling processors):
@@ -178,8 +178,8 @@ def sample_from(u: jax.Array, log_mu: jax.Array) -> jax.Array:
     `_INVERSION_BLOCK` entries, then inside the block that reaches the target. XLA:CPU runs a cumsum
     as a tree of reduce-windows: one over the vocabulary took 0.25 ms a step for 32 rows of 1,024,
     two short ones 0.07; written as masked sums (`_prefix_sums`, one fusion each) the step's sampling
-    took 0.20 ms against 0.23 with the two short cumsums (traced). Float rounding can put the boundary on an entry of no mass (never seen);
-    the block's likeliest entry is drawn then."""
+    took 0.20 ms against 0.23 with the two short cumsums (traced). Float rounding can put the
+    boundary on an entry of no mass (never seen); the block's likeliest entry is drawn then."""
     mass = jnp.exp(log_mu)
     vocab, size = mass.shape[0], _INVERSION_BLOCK
     blocks = jnp.pad(mass, (0, -vocab % size)).reshape(-1, size)
