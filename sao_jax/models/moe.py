@@ -420,11 +420,11 @@ class MoE(nnx.Module):
             # kernel: 600 decode tokens/s instead of 200), and for more, dropless capacity slots (the
             # same numbers) run all experts in one batched matmul.
             few_tokens = batch * time <= _FEW_TOKENS_PER_EXPERT * experts
-            if few_tokens or time == 1:
-                kernel = routed_kernel_applies(x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
+            kernel = (few_tokens or time == 1) and routed_kernel_applies(
+                x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
+            if few_tokens or kernel:
                 few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
-                if few_tokens or kernel:
-                    dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
+                dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
         dtype = x.dtype
         out = dispatch(flat, expert_ids, weights, self.experts.gate_proj[...].astype(dtype),
                        self.experts.up_proj[...].astype(dtype), self.experts.down_proj[...].astype(dtype))  # fmt: skip
