@@ -218,6 +218,15 @@ def test_estr_mask_keeps_equality_and_drops_just_above():
     np.testing.assert_array_equal(np.asarray(mask), [[True, False, True]])
 
 
+def test_estr_mask_keeps_a_band_of_width_eps_where_the_rollout_was_certain():
+    # H = 0 (a deterministic sampling step): the band is τ·ε alone. τ = 0.5, ε = 0.02 keep |δ| ≤ 0.1.
+    delta = np.array([[0.0, 0.05, -0.099, 0.101, -0.2]], np.float32)
+    rollout_logp = np.full_like(delta, -0.5)
+    mask = losses.estr_mask(jnp.asarray(rollout_logp + delta), jnp.asarray(rollout_logp),
+                            jnp.zeros_like(delta), tau=0.5, eps=0.02)  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(mask), [[True, True, True, False, False]])
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_calibrate_estr_tau_masks_the_target_fraction_within_one_token(seed):
     rng = np.random.default_rng(seed)

@@ -103,6 +103,34 @@ def test_train_only_reports_a_typo_when_the_optimizer_is_initialised(params):
         jax.eval_shape(tx.init, params)
 
 
+def test_zero_frozen_zeroes_exactly_the_frozen_gradients(params):
+    ones = jax.tree.map(lambda leaf: jnp.ones(leaf.shape, leaf.dtype), params)
+    zeroed = param_paths_by_hand(optim.zero_frozen(ones, optim.CRITIC_FROZEN_ATTENTION_TRAINABLE))
+    assert zeroed.keys() == param_paths_by_hand(params).keys()
+    for path, leaf in zeroed.items():
+        assert np.all(np.asarray(leaf) == (1.0 if trained_in_sao(path) else 0.0)), path
+
+
+def test_zero_frozen_gradients_are_not_computed():
+    """Why `zero_frozen` exists: XLA then drops the frozen weights' gradient matmuls from the program."""
+    graphdef, params, buffers = nnx.split(make_critic(), nnx.Param, ...)
+    input_ids = jnp.zeros((4, 32), jnp.int32)
+
+    def grads(params, zero):
+        g = jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p, buffers).forward(input_ids)[0]))(params)
+        return optim.zero_frozen(g, optim.CRITIC_FROZEN_ATTENTION_TRAINABLE) if zero else g
+
+    def flops(zero):
+        return jax.jit(grads, static_argnums=1).lower(params, zero).compile().cost_analysis()["flops"]
+
+    # the weight gradient of a projection x [tokens, d] · W [d, n] is 2 · tokens · d · n FLOPs
+    attention = [leaf for path, leaf in param_paths_by_hand(params).items()
+                 if "/attn/" in path and path.endswith("/kernel")]  # fmt: skip
+    assert len(attention) == 4 * tiny_glm4_moe().num_layers
+    weight_grad_flops = sum(2 * input_ids.size * leaf.size for leaf in attention)
+    assert flops(False) - flops(True) >= weight_grad_flops
+
+
 @pytest.fixture(scope="module")
 def critic_run():
     """NUM_STEPS frozen-attention AdamW steps of the critic's value loss on random tokens and targets."""

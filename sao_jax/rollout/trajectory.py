@@ -100,7 +100,8 @@ def collate(
 ) -> TrajectoryBatch:
     """Right-pad trajectories to one bucketed length and, if given, `batch_size` rows.
 
-    Padding tokens are invalid, non-action, reward 0; padding rows have `prompt_id = -1`.
+    Padding tokens are invalid, non-action, reward 0, log-prob and entropy 0, version and turn −1;
+    padding rows have `prompt_id = -1`.
     """
     if not trajectories:
         raise ValueError("collate needs at least one trajectory")

@@ -269,9 +269,10 @@ def _route_reference(logits, bias, config):
         if config.num_expert_groups > 1:
             group_score = [np.sort(choice[g * per_group:(g + 1) * per_group])[-2:].sum()
                            for g in range(config.num_expert_groups)]  # fmt: skip
-            kept = set(np.argsort(group_score)[-config.num_selected_groups:])
+            # ties go to the lower index, as in jax.lax.top_k
+            kept = set(np.argsort(-np.array(group_score), kind="stable")[: config.num_selected_groups])
             choice = np.array([c if e // per_group in kept else 0.0 for e, c in enumerate(choice)])
-        top = np.argsort(choice)[-config.num_experts_per_token:]
+        top = np.argsort(-choice, kind="stable")[: config.num_experts_per_token]
         w = scores[top]
         if config.norm_topk_prob:
             w = w / w.sum()
@@ -300,6 +301,26 @@ def test_route_matches_reference(config):
     order = np.argsort(np.asarray(expert_ids), axis=1)
     np.testing.assert_array_equal(np.take_along_axis(np.asarray(expert_ids), order, 1), ref_ids)
     np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1), ref_weights, rtol=1e-5)
+
+
+def test_route_scores_the_experts_of_unselected_groups_zero_not_minus_inf():
+    """Transformers' GLM-4.5 router fills unselected groups' choice scores with 0: when the correction
+    bias makes every choice score negative, the top-k comes from the unselected groups (their tie
+    at 0 goes to the lower expert index)."""
+    config = tiny_glm4_moe()
+    per_group = config.num_experts // config.num_expert_groups
+    logits = np.random.default_rng(4).normal(size=(8, config.num_experts)).astype(np.float32)
+    bias = np.full(config.num_experts, -2.0, np.float32)  # sigmoid scores < 1, so every choice < −1
+    expert_ids, weights, _ = route(jnp.asarray(logits), jnp.asarray(bias), config)
+    ref_ids, ref_weights = _route_reference(logits, bias, config)
+    order = np.argsort(np.asarray(expert_ids), axis=1)
+    np.testing.assert_array_equal(np.take_along_axis(np.asarray(expert_ids), order, 1), ref_ids)
+    np.testing.assert_allclose(np.take_along_axis(np.asarray(weights), order, 1), ref_weights, rtol=1e-5)
+    choice = 1 / (1 + np.exp(-logits.astype(np.float64))) + bias
+    group_scores = np.sort(choice.reshape(len(logits), config.num_expert_groups, per_group), axis=-1)[..., -2:].sum(-1)
+    selected = np.argsort(-group_scores, axis=1, kind="stable")[:, : config.num_selected_groups]
+    for ids, groups in zip(ref_ids, selected):
+        assert not set(ids // per_group) & set(groups)
 
 
 def _aux_loss_reference(scores, expert_ids, token_mask, num_experts):

@@ -57,6 +57,25 @@ def test_collate_pads_tokens_and_rows():
     assert batch.rewards.sum() == pytest.approx(2.0)
 
 
+def test_collate_puts_every_field_in_its_own_column_and_pads_with_its_fill():
+    a = make_trajectory([("prompt", 3), ("action", 4), ("observation", 2), ("action", 2)], prompt_id=7)
+    b = make_trajectory([("prompt", 2), ("action", 5)], prompt_id=9, version=4)
+    for offset, t in ((0.0, a), (100.0, b)):  # per-token values that no two fields share
+        n = t.num_tokens
+        t.rollout_logprobs[:] = -(np.arange(n) + 1 + offset)
+        t.rollout_entropy[:] = np.arange(n) + 0.5 + offset
+        t.rewards[:] = np.arange(n) * 0.25 + offset
+    batch = collate([a, b], batch_size=3, buckets=(16,))
+    fills = {"tokens": 0, "action_mask": False, "rollout_logprobs": 0.0, "rollout_entropy": 0.0,
+             "policy_version": -1, "rewards": 0.0, "turn_index": -1}  # fmt: skip
+    for field, fill in fills.items():
+        column = getattr(batch, field)
+        for row, t in enumerate((a, b)):
+            np.testing.assert_array_equal(column[row, : t.num_tokens], getattr(t, field), err_msg=field)
+            assert (column[row, t.num_tokens :] == fill).all(), field
+        assert (column[2] == fill).all(), field
+
+
 def test_collated_batch_is_a_pytree_for_jit():
     batch = collate([make_trajectory([("prompt", 2), ("action", 3)])], buckets=(8,))
     total = jax.jit(lambda b: (b.rewards * b.action_mask).sum())(batch)

@@ -68,15 +68,19 @@ def copy_state(state):
     return jax.tree.map(jnp.copy, state)
 
 
-def hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx):
+def hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, **settings):
     """ALGORITHMS.md §6 spelled out: K critic steps on λ_critic targets, then values from the updated
     critic, λ_policy advantages and one DIS step — without the composition helpers. Jitted as a whole:
-    one compile instead of dispatching every operation of three backward passes one by one."""
-    written_out = functools.partial(_hand_written_ttur, config, graphs=graphs, policy_tx=policy_tx, critic_tx=critic_tx)
+    one compile instead of dispatching every operation of three backward passes one by one.
+    settings: `gamma`, `lam_critic`, `lam_policy` (None: length-adaptive with α = 1.5), `policy`
+    (False: the critic's K steps only); the defaults are the default config's."""
+    written_out = functools.partial(_hand_written_ttur, config, graphs=graphs, policy_tx=policy_tx,
+                                    critic_tx=critic_tx, **settings)  # fmt: skip
     return jax.jit(written_out)(state, batch)
 
 
-def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx):
+def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx, gamma=1.0, lam_critic=1.0,
+                       lam_policy=None, policy=True):  # fmt: skip
     critic_params, critic_opt = state.critic_params, state.critic_opt_state
 
     def critic_forward(params):
@@ -88,17 +92,20 @@ def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx):
         def value_objective(params):
             values, aux = critic_forward(params)
             _, targets = adv.skip_observation_gae(
-                batch.rewards, jax.lax.stop_gradient(values), batch.action_mask, gamma=1.0, lam=1.0
+                batch.rewards, jax.lax.stop_gradient(values), batch.action_mask, gamma=gamma, lam=lam_critic
             )
             return losses.value_loss(values, targets, batch.action_mask)[0] + graphs.critic_aux_coef * aux
 
         grads = jax.grad(value_objective)(critic_params)
         updates, critic_opt = critic_tx.update(grads, critic_opt, critic_params)
         critic_params = optax.apply_updates(critic_params, updates)
+    if not policy:
+        return critic_params, state.policy_params
 
     values, _ = critic_forward(critic_params)
-    lam = 1.0 - 1.0 / (1.5 * jnp.sum(batch.action_mask, axis=1))
-    advantages, _ = adv.skip_observation_gae(batch.rewards, values, batch.action_mask, gamma=1.0, lam=lam)
+    if lam_policy is None:
+        lam_policy = 1.0 - 1.0 / (1.5 * jnp.sum(batch.action_mask, axis=1))
+    advantages, _ = adv.skip_observation_gae(batch.rewards, values, batch.action_mask, gamma=gamma, lam=lam_policy)
 
     def policy_objective(params):
         model = nnx.merge(graphs.policy, params, state.policy_buffers)
@@ -118,16 +125,47 @@ def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx):
     return critic_params, policy_params
 
 
+def assert_params_close(got, want):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
+
+
 def test_ttur_step_equals_the_sequence_written_out_by_hand(setup):
     config, state, graphs, steps, policy_tx, critic_tx = setup
     batch = synthetic_batch()
     expected_critic, expected_policy = hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx)
     new_state, metrics = steps.ttur_step(copy_state(state), batch, jax.random.key(0))
-    for got, want in ((new_state.critic_params, expected_critic), (new_state.policy_params, expected_policy)):
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6), got, want)
+    assert_params_close(new_state.critic_params, expected_critic)
+    assert_params_close(new_state.policy_params, expected_policy)
     assert int(new_state.step) == 1
     assert {"critic/value_loss", "critic/explained_variance", "policy/loss", "policy/masked_fraction",
             "policy/masked_entropy_mean"} <= set(metrics)  # fmt: skip
+
+
+def test_ttur_step_takes_gamma_and_both_lambdas_from_the_config(setup):
+    """γ < 1, λ_critic < 1 and a fixed λ_policy (no length adaptation): the defaults (all 1, or α)
+    would hide a γ or λ that never reaches its GAE."""
+    _, state, graphs, _, policy_tx, critic_tx = setup
+    config = load_config(None, ["critic.optimizer.lr=1.0", "policy.optimizer.lr=1.0", "loss.eps_low=0.99",
+                                "loss.eps_high=100.0", "advantage.gamma=0.9", "advantage.lam_critic=0.7",
+                                "advantage.lam_policy=0.8", "advantage.length_adaptive_alpha=null"])  # fmt: skip
+    steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
+    batch = synthetic_batch(seed=5)
+    expected_critic, expected_policy = hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx,
+                                                         gamma=0.9, lam_critic=0.7, lam_policy=0.8)  # fmt: skip
+    new_state, _ = steps.ttur_step(copy_state(state), batch, jax.random.key(0))
+    assert_params_close(new_state.critic_params, expected_critic)
+    assert_params_close(new_state.policy_params, expected_policy)
+
+
+def test_critic_warmup_step_is_k_critic_updates_and_leaves_the_policy(setup):
+    config, state, graphs, steps, policy_tx, critic_tx = setup
+    batch = synthetic_batch(seed=6)
+    expected_critic, _ = hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, policy=False)
+    new_state, metrics = steps.critic_warmup_step(copy_state(state), batch, jax.random.key(0))
+    assert_params_close(new_state.critic_params, expected_critic)
+    jax.tree.map(np.testing.assert_array_equal, new_state.policy_params, state.policy_params)
+    assert int(new_state.step) == 1
+    assert "critic/value_loss" in metrics and not any(name.startswith("policy/") for name in metrics)
 
 
 def test_policy_update_uses_the_updated_critic(setup):
