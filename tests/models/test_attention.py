@@ -145,3 +145,10 @@ def test_cached_attention_without_the_kernel_runs_the_scatter_and_the_einsum(mon
     lowered = jax.jit(cached_attention).lower(*inputs)
     assert "sao_cached_attention" not in lowered.as_text()
     check(lowered.compile()(*inputs), inputs)
+
+
+def test_cached_attention_with_more_than_eight_query_heads_per_kv_head_runs_the_einsum(attend):
+    """The kernel takes at most 8 query heads per kv head; 16 on one kv head fall back to the einsum."""
+    inputs = decode_inputs(8, 80, 16, 1, 64, jnp.float32, seed=4)
+    assert "sao_cached_attention" not in attend.lower(*inputs).as_text()
+    check(attend(*inputs), inputs)

@@ -187,6 +187,50 @@ def test_budgets_truncate_actions_turns_and_total_tokens():
         check_layout_by_replay(trajectory, prompt, make_env("calculator", max_turns=10))
 
 
+def test_an_observation_that_exactly_fills_the_cache_truncates_before_it():
+    """max_total_tokens = bos + prompt + first action + first observation: the observation would fit but
+    leave no slot for an action, so the trajectory ends after the first action. One token more, and the
+    observation goes in followed by a one-token action (then the next observation does not fit)."""
+    (prompt,) = calculator_prompts(1, seed=6)
+    action, answer = CalculatorEnv.demonstration(prompt)
+    observation = f"<out>{prompt.answer}</out>\n"
+    filled = 1 + len(prompt.text) + len(action) + len(observation)  # one token per character, plus bos
+    scripts = demonstration_scripts([prompt])
+    for max_total_tokens in (filled, filled + 1):
+        loop = AgentLoop(ScriptedSampler(scripts), TOKENIZER, lambda p: make_env("calculator"),
+                         AgentLoopConfig(num_slots=1, max_total_tokens=max_total_tokens, max_action_tokens=40))
+        (trajectory,) = loop.rollout((None, 0), [prompt], jax.random.key(0))
+        assert trajectory.info["truncated"] == "max_total_tokens" and trajectory.info["error"] is None
+        assert loop.stats["truncated_max_total_tokens"] == 1
+        texts = [(turn, act, TOKENIZER.decode(tokens)) for turn, act, tokens in spans(trajectory)]
+        if max_total_tokens == filled:
+            assert texts == [(-1, False, prompt.text), (0, True, action)]
+            assert trajectory.info["num_turns"] == 1
+        else:
+            assert texts == [(-1, False, prompt.text), (0, True, action), (0, False, observation), (1, True, answer[0])]
+            assert trajectory.num_tokens == filled + 1 and trajectory.info["num_turns"] == 2
+
+
+def test_a_prompt_that_fills_the_cache_is_rejected_and_one_token_more_leaves_room_for_one_action_token():
+    (prompt,) = calculator_prompts(1, seed=7)
+    prompt_tokens = 1 + len(prompt.text)  # bos + one token per character
+    scripts = demonstration_scripts([prompt])
+    loop = AgentLoop(ScriptedSampler(scripts), TOKENIZER, lambda p: make_env("calculator"),
+                     AgentLoopConfig(num_slots=1, max_total_tokens=prompt_tokens, max_action_tokens=40))
+    (trajectory,) = loop.rollout((None, 0), [prompt], jax.random.key(0))
+    assert trajectory.info["error_kind"] == "prompt_too_long" and trajectory.num_tokens == 0
+    assert f"prompt of {prompt_tokens} tokens" in trajectory.info["error"]
+    assert loop.stats["prompt_too_long"] == 1 and loop.stats["decode_chunks"] == 0
+
+    loop = AgentLoop(ScriptedSampler(scripts), TOKENIZER, lambda p: make_env("calculator"),
+                     AgentLoopConfig(num_slots=1, max_total_tokens=prompt_tokens + 1, max_action_tokens=40))
+    (trajectory,) = loop.rollout((None, 0), [prompt], jax.random.key(0))
+    assert trajectory.info["error"] is None and loop.stats["prompt_too_long"] == 0
+    assert trajectory.num_tokens == prompt_tokens + 1 and trajectory.action_mask.sum() == 1
+    assert trajectory.info["final_action"] == "<" and trajectory.info["unterminated_actions"] == 1
+    assert trajectory.info["truncated"] == "max_total_tokens"
+
+
 # --- misbehaving environments -------------------------------------------------------------------------------
 
 

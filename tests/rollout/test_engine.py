@@ -376,6 +376,45 @@ def test_a_group_with_a_failed_member_is_discarded_whole(kind):
     check_accounting(state)
 
 
+def test_a_group_with_one_member_too_stale_is_dropped_whole_and_every_member_counted():
+    """Store at version 2, max_staleness 1: member 0 samples with version 2 (staleness 0), member 1
+    with version 0 (staleness 2). The group is dropped, both trajectories counted, both in the histogram."""
+    base = jax.random.key(6)
+    old_key = jax.random.key_data(rollout_key(base, 0, 1))
+    rollout = FakeRollout(num_chunks=2)
+
+    def stamp_member_one_two_versions_back(prompt, weights, key):
+        if np.array_equal(jax.random.key_data(key), old_key):
+            weights = WeightStore({}, weights.version - 2)
+        return rollout(prompt, weights, key)
+
+    store = WeightStore({}, 0)
+    store.publish({}, 2)
+    with SyncRolloutEngine(stamp_member_one_two_versions_back, range(1), store, base, group_size=2,
+                           max_staleness=1) as engine:  # fmt: skip
+        assert engine.get_batch(2) == []
+        metrics, state = engine.metrics(), engine.state()
+    assert rollout.completed == 2  # both members ran, member 1 on version 0
+    assert metrics["staleness_histogram"] == {0: 1, 2: 1}
+    assert metrics["trajectories_dropped_stale"] == 2 and metrics["trajectories_consumed"] == 0
+    assert state.prompts_dropped == 1 and state.prompts_consumed == 0
+    check_accounting(state)
+
+
+def test_sync_mode_measures_staleness_against_the_current_version():
+    """Lockstep: every trajectory is sampled by the version it is consumed at, so staleness 0 passes
+    max_staleness=0."""
+    store = WeightStore({}, 0)
+    store.publish({}, 3)
+    with SyncRolloutEngine(FakeRollout(num_chunks=2), range(4), store, jax.random.key(0), max_staleness=0) as engine:
+        batch = engine.get_batch(4)
+        metrics, state = engine.metrics(), engine.state()
+    assert [t.prompt_id for t in batch] == [0, 1, 2, 3]
+    assert all(int(t.oldest_version) == 3 for t in batch)
+    assert metrics["staleness_histogram"] == {0: 4} and metrics["trajectories_dropped_stale"] == 0
+    assert state.prompts_dropped == 0 and state.prompts_consumed == 4
+
+
 def run_sync(key, num_steps=4, batch_size=3):
     """A lockstep trainer: take a batch, publish version + 1."""
     store = WeightStore({"w": 0}, version=0)

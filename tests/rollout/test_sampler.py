@@ -224,6 +224,27 @@ def test_truncated_sampling_records_the_transformed_distribution(truncating_samp
     assert np.ptp(generation.entropy[:, :10]) > 0.1, "degenerate test: every step had the same distribution"
 
 
+def test_prefill_takes_the_logits_after_the_last_real_token_wherever_padding_sits(plain_sampler, params, full_logits):
+    """Padding on the left, in holes, on the right: each row's cache takes its real tokens and its
+    next_logits are those after its last real token in an uncached forward of the real tokens alone."""
+    tokens = np.array([[0, 0, 5, 9, 2, 0, 0, 0], [0, 7, 0, 7, 1, 0, 0, 3], [11, 0, 0, 0, 0, 0, 0, 0]], np.int32)
+    mask = np.array([[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 0, 1, 1, 0, 0, 1], [1, 0, 0, 0, 0, 0, 0, 0]], bool)
+    state = plain_sampler.prefill(params, plain_sampler.init_state(3, 32), tokens, mask)
+    real = [[5, 9, 2], [7, 7, 1, 3], [11]]
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), [3, 4, 1])
+    expected = np.stack([logits[-1] for logits in _teacher_forced(full_logits, real)])
+    np.testing.assert_allclose(np.asarray(state.next_logits), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_prefill_reset_starts_a_row_over_while_the_others_continue(plain_sampler, params, full_logits):
+    state = plain_sampler.prefill(params, plain_sampler.init_state(3, 32), *_padded([[5, 9, 2], [7, 1], [11]]))
+    state = plain_sampler.prefill(params, state, *_padded([[7, 8], [4], []]), reset=[True, False, True])
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), [2, 3, 0])  # row 2: reset, fed nothing
+    expected = _teacher_forced(full_logits, [[7, 8], [7, 1, 4]])
+    np.testing.assert_allclose(np.asarray(state.next_logits[:2]), np.stack([e[-1] for e in expected]),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
 def test_sample_from_draws_by_the_distribution_and_never_outside_its_support():
     """20,000 draws from a fixed μ with zeros (as top-k / top-p leave): frequencies pass a chi-square
     test at 1e-4 significance, and no token with μ = 0 — first, inner or last — is ever drawn."""
