@@ -152,3 +152,17 @@ def test_cached_attention_with_more_than_eight_query_heads_per_kv_head_runs_the_
     inputs = decode_inputs(8, 80, 16, 1, 64, jnp.float32, seed=4)
     assert "sao_cached_attention" not in attend.lower(*inputs).as_text()
     check(attend(*inputs), inputs)
+
+
+def test_cached_attention_kernel_keeps_its_running_max_across_blocks_of_far_apart_scores(attend):
+    """Scores q·k/√d of +100 on the first block of 64 slots and −100 after it: the online softmax must
+    rescale by exp(−200) (a running max carried over blocks), never by exp(+200)."""
+    q, new_k, new_v, (cache_k, cache_v), _ = decode_inputs(4, 200, 4, 2, 64, jnp.float32, seed=5)
+    q = jnp.zeros_like(q).at[..., 0].set(10.0)
+    cache_k = jnp.zeros_like(cache_k).at[:, :64, :, 0].set(80.0).at[:, 64:, :, 0].set(-80.0)
+    new_k = jnp.zeros_like(new_k).at[..., 0].set(-80.0)
+    layout = AttentionLayout.build(jnp.ones((4, 1), bool), jnp.array([149, 70, 130, 199], jnp.int32), 200)
+    inputs = (q, new_k, new_v, (cache_k, cache_v), layout)
+    out = attend(*inputs)
+    assert np.isfinite(np.asarray(out[0])).all()
+    check(out, inputs)
