@@ -51,6 +51,23 @@ def test_corrupted_latest_step_falls_back_to_the_previous(tmp_path):
     jax.tree.map(np.testing.assert_array_equal, state, make_state(1))
 
 
+def test_restore_latest_takes_the_newest_step_and_past_a_corruption_the_next_newest(tmp_path):
+    directory = tmp_path / "ckpt"
+    with Checkpointer(directory, async_save=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.save(step, make_state(step), {"n": step})
+        step, state, host = ckpt.restore_latest(abstract(make_state(0)))
+    assert step == 3 and host == {"n": 3}
+    jax.tree.map(np.testing.assert_array_equal, state, make_state(3))
+    for path in (directory / "3").rglob("*"):
+        if path.is_file():
+            path.write_bytes(b"garbage")
+    with Checkpointer(directory) as ckpt:
+        step, state, host = ckpt.restore_latest(abstract(make_state(0)))
+    assert step == 2 and host == {"n": 2}  # the newest readable step, not the oldest
+    jax.tree.map(np.testing.assert_array_equal, state, make_state(2))
+
+
 def test_no_checkpoint_gives_none(tmp_path):
     with Checkpointer(tmp_path / "empty") as ckpt:
         assert ckpt.restore_latest(abstract(make_state(0))) is None

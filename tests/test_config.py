@@ -26,6 +26,14 @@ def test_base_file_holds_only_the_difference(tmp_path):
     assert config.critic.warmup_steps == Config().critic.warmup_steps  # untouched default
 
 
+def test_child_file_setting_one_key_of_a_section_keeps_the_base_files_other_keys_of_it(tmp_path):
+    write(tmp_path / "parent.yaml", "critic:\n  updates_per_policy_update: 3\n  warmup_steps: 7\n")
+    child = write(tmp_path / "child.yaml", "base: parent.yaml\ncritic:\n  updates_per_policy_update: 1\n")
+    config = load_config(child)
+    assert config.critic.updates_per_policy_update == 1  # the child's
+    assert config.critic.warmup_steps == 7 != Config().critic.warmup_steps  # the parent's, not the default
+
+
 def test_nested_section_keeps_its_parents_defaults(tmp_path):
     # The critic's optimizer has its own default lr (not OptimizerConfig's); setting another key of
     # that section must not reset it to the class default.
@@ -46,6 +54,18 @@ def test_int_is_accepted_for_float_but_not_the_reverse():
     assert load_config(None, ["advantage.gamma=1"]).advantage.gamma == 1.0
     with pytest.raises(ConfigError, match=r"critic\.updates_per_policy_update must be an integer"):
         load_config(None, ["critic.updates_per_policy_update=1.5"])
+
+
+def test_a_bool_is_not_taken_for_an_integer():
+    # Python's True is an int; a config must still refuse `steps: true`.
+    with pytest.raises(ConfigError, match=r"^train\.steps must be an integer \(got True\) in <defaults>"):
+        load_config(None, ["train.steps=true"])
+
+
+def test_each_list_item_is_checked_and_named_by_its_index():
+    assert load_config(None, ["env.difficulty=[1, 3]"]).env.difficulty == (1, 3)
+    with pytest.raises(ConfigError, match=r"^env\.difficulty\[1\] must be an integer \(got 'x'\)"):
+        load_config(None, ["env.difficulty=[1, x]"])
 
 
 def test_unknown_key_names_key_file_and_close_match(tmp_path):

@@ -2,6 +2,8 @@
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
@@ -17,6 +19,30 @@ def test_lines_have_step_and_plain_json_values(tmp_path):
     assert isinstance(first["count"], int)
     assert [line["step"] for line in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
     assert list((tmp_path / "tensorboard").iterdir()), "no TensorBoard event file"
+
+
+def _strict_json(text):
+    def refuse(constant):
+        raise ValueError(f"{constant} is not strict JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_infinities_are_written_as_null(tmp_path):
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(0, {"up": float("inf"), "down": np.float32("-inf"), "nan": np.nan, "fine": 2.5})
+    line = _strict_json((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert line == {"step": 0, "up": None, "down": None, "nan": None, "fine": 2.5}
+
+
+def test_zero_dimensional_integer_arrays_are_written_as_json_integers(tmp_path):
+    # What jax.device_get hands back for a scalar: a 0-d numpy array, not an np.integer.
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        writer.write(0, {"host": np.asarray(7, np.int32), "device": jnp.int32(5),
+                         "fetched": jax.device_get(jnp.int32(4)), "unsigned": np.asarray(9, np.uint8),
+                         "real": np.asarray(1.0, np.float32)})
+    raw = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    assert raw == '{"device": 5, "fetched": 4, "host": 7, "real": 1.0, "step": 0, "unsigned": 9}'
 
 
 def test_torn_last_line_is_ignored_and_truncation_cuts_past_the_checkpoint(tmp_path):

@@ -465,25 +465,7 @@ class StreamingBatches:
             trajectory.prompt_id = self.pool_index(trajectory.prompt_id)
         blocks = self.cluster.all_gather([(batch, self.engine.metrics())])
         batch = [trajectory for block, _ in blocks for trajectory in block]
-        metrics = [engine_metrics for _, engine_metrics in blocks]
-
-        def total(name):
-            return sum(m[name] for m in metrics)
-
-        histogram = collections.Counter()
-        for m in metrics:
-            histogram.update(m["staleness_histogram"])
-        seen = sum(histogram.values())
-        return batch, {
-            "async/queue_depth": total("queue_depth"),
-            "async/trainer_idle_fraction": total("trainer_idle_fraction") / len(metrics),
-            "async/trajectories_per_s": total("trajectories_per_s"),
-            "async/action_tokens_per_s": total("action_tokens_per_s"),
-            "async/dropped_stale": total("trajectories_dropped_stale"),
-            "async/staleness_mean": sum(k * v for k, v in histogram.items()) / max(seen, 1),
-            "train/env_failed": total("trajectories_failed"),
-            "train/group_members_discarded": total("trajectories_discarded"),
-        }
+        return batch, async_metrics([engine_metrics for _, engine_metrics in blocks])
 
     def close(self) -> None:
         state = self.engine.close()
@@ -491,6 +473,29 @@ class StreamingBatches:
         lost = len(state.unconsumed_indices) + len(state.in_flight_indices)
         if lost:
             log.info("async engine closed with %d finished-but-unused or in-flight rollouts", lost)
+
+
+def async_metrics(per_process: list[dict]) -> dict[str, float]:
+    """The run's async metrics from each process's `RolloutEngine.metrics()`: counts and rates summed,
+    the trainer's idle fraction averaged over processes, the staleness averaged over every trajectory."""
+
+    def total(name):
+        return sum(m[name] for m in per_process)
+
+    histogram = collections.Counter()
+    for m in per_process:
+        histogram.update(m["staleness_histogram"])
+    seen = sum(histogram.values())
+    return {
+        "async/queue_depth": total("queue_depth"),
+        "async/trainer_idle_fraction": total("trainer_idle_fraction") / len(per_process),
+        "async/trajectories_per_s": total("trajectories_per_s"),
+        "async/action_tokens_per_s": total("action_tokens_per_s"),
+        "async/dropped_stale": total("trajectories_dropped_stale"),
+        "async/staleness_mean": sum(k * v for k, v in histogram.items()) / max(seen, 1),
+        "train/env_failed": total("trajectories_failed"),
+        "train/group_members_discarded": total("trajectories_discarded"),
+    }
 
 
 def _copy(tree):

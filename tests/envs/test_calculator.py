@@ -118,6 +118,13 @@ def test_answer_without_stop_string_is_accepted():
     assert play(CalculatorEnv(), p, [f"A: {p.answer}"])[0].reward == 1.0
 
 
+def test_right_answer_followed_by_more_text_is_a_format_error_not_an_answer():
+    p = prompts(n=1)[0]
+    result = play(CalculatorEnv(), p, [f"A: {p.answer} because\n"])[0]
+    assert (result.observation, result.reward, result.done) == ("<err>format</err>\n", 0.0, False)
+    assert result.info["error"] == "format"
+
+
 @pytest.mark.parametrize("action, observation", [
     ("<calc>17*</calc>\n", "<err>syntax</err>\n"),
     ("<calc>__import__('os').system('id')</calc>\n", "<err>not allowed</err>\n"),

@@ -2,6 +2,7 @@
 covering exactly the model's variables, bfloat16 and loading onto a device mesh."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -113,6 +114,38 @@ def test_glm_multi_token_prediction_layer_is_ignored(tmp_path):
     folder = _edited_copy(source, tmp_path / "ckpt", lambda t: t.update({mtp: np.zeros((32, 64), np.float32)}))
     loaded = from_pretrained(folder)
     np.testing.assert_array_equal(loaded.embed.embedding[...], policy.embed.embedding[...])
+
+
+@pytest.mark.slow  # builds a model
+@pytest.mark.parametrize("num_mtp_layers", [0, 1])
+def test_a_layer_past_the_multi_token_prediction_layers_is_unexpected(saved_glm, tmp_path, num_mtp_layers):
+    """Only layers num_layers .. num_layers + num_mtp_layers - 1 may be skipped; the next one is an error."""
+    hf_config = json.loads((saved_glm / "config.json").read_text())
+    name = f"model.layers.{hf_config['num_hidden_layers'] + num_mtp_layers}.input_layernorm.weight"
+    folder = _edited_copy(saved_glm, tmp_path / "ckpt", lambda t: t.update({name: np.ones(32, np.float32)}))
+    (folder / "config.json").write_text(json.dumps({**hf_config, "num_nextn_predict_layers": num_mtp_layers}))
+    with pytest.raises(CheckpointError, match=f"unexpected tensor '{re.escape(name)}'"):
+        from_pretrained(folder)
+
+
+@pytest.mark.slow  # builds a model
+def test_a_tensor_in_two_shards_is_named_with_both_files(saved_glm, tmp_path):
+    tensors = load_file(saved_glm / "model.safetensors")
+    names = sorted(tensors)
+    duplicate = "model.embed_tokens.weight"
+    shards = {
+        "model-00001-of-00002.safetensors": {*names[: len(names) // 2], duplicate},
+        "model-00002-of-00002.safetensors": {*names[len(names) // 2 :], duplicate},
+    }
+    weight_map = {}
+    for filename, shard in shards.items():
+        save_file({n: tensors[n] for n in shard}, tmp_path / filename, metadata={"format": "pt"})
+        weight_map.update({n: filename for n in shard})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (tmp_path / "config.json").write_text((saved_glm / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"'model\.embed_tokens\.weight' appears twice \(model-00001-of-00002"
+                       r"\.safetensors and model-00002-of-00002\.safetensors\)"):
+        from_pretrained(tmp_path)
 
 
 @pytest.mark.slow  # builds a model

@@ -39,6 +39,21 @@ def test_calculator_episodes_report_the_tools_they_called():
     assert env.step(f"A: {prompt.answer}\n").info["tools"] == ()
 
 
+def test_async_metrics_sum_over_processes_and_average_staleness_over_trajectories():
+    def engine(idle, histogram, stale, discarded):
+        return {"queue_depth": 2, "trainer_idle_fraction": idle, "trajectories_per_s": 8.0,
+                "action_tokens_per_s": 80.0, "staleness_histogram": histogram, "trajectories_dropped_stale": stale,
+                "trajectories_discarded": discarded, "trajectories_failed": 1}  # fmt: skip
+
+    metrics = loop.async_metrics([engine(0.25, {0: 3, 2: 1}, 4, 1), engine(0.75, {1: 2, 2: 1}, 0, 2)])
+    assert metrics == {
+        "async/queue_depth": 4, "async/trainer_idle_fraction": 0.5, "async/trajectories_per_s": 16.0,
+        "async/action_tokens_per_s": 160.0, "async/dropped_stale": 4,
+        "async/staleness_mean": 6 / 7,  # (0·3 + 1·2 + 2·2) / 7 trajectories, not a mean over the 3 keys
+        "train/env_failed": 2, "train/group_members_discarded": 3,
+    }  # fmt: skip
+
+
 def test_weak_demonstrations_need_an_environment_that_has_them(tmp_path):
     config = load_config(overrides=["env.name=guessing", "sft.weak_demonstration_fraction=0.5", "sft.steps=1",
                                     f"output_dir={tmp_path}"])  # fmt: skip

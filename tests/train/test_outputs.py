@@ -58,6 +58,8 @@ def test_a_run_writes_to_the_url_and_resumes_from_it_on_a_fresh_machine(tmp_path
     assert fs.glob("/bucket/runs/tiny/tensorboard/events.out.tfevents.*")
     first = remote_lines(fs)
     assert [line["step"] for line in first if "policy/loss" in line] == [1]
+    # Step 1 is the run's last though not a multiple of train.eval_every=2: it is evaluated all the same.
+    assert [line["step"] for line in first if "eval/success_rate" in line] == [0, 1]
 
     shutil.rmtree(OutputMirror.fresh(URL).local)  # the preempted machine's disk is gone
     train(load_config(None, [*overrides, "train.steps=2"]), resume=True)
