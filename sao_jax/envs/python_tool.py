@@ -296,8 +296,8 @@ def _start_and_collect(source: bytes, limits: _Limits, level: str, python: str, 
     finally:
         for fd in (stdin_r, stdout_w, stderr_w):
             os.close(fd)
-    stdout, stderr, timed_out = _communicate(proc, source, stdin_w, stdout_r, stderr_r, limits,
-                                             deadline=started + limits.timeout_s)
+    stdout, stderr, timed_out = _communicate(proc, level == NAMESPACES, source, stdin_w, stdout_r, stderr_r,
+                                             limits, deadline=started + limits.timeout_s)
     wall_s = time.monotonic() - started
     with proc.stderr:
         diagnostics = proc.stderr.read().decode("utf-8", "replace")
@@ -354,8 +354,8 @@ class _Capture:
         return bytes(self.kept).decode("utf-8", "replace")
 
 
-def _communicate(proc, source: bytes, stdin_fd: int, stdout_fd: int, stderr_fd: int, limits: _Limits,
-                 deadline: float) -> tuple[_Capture, _Capture, bool]:
+def _communicate(proc, namespaces: bool, source: bytes, stdin_fd: int, stdout_fd: int, stderr_fd: int,
+                 limits: _Limits, deadline: float) -> tuple[_Capture, _Capture, bool]:
     """Feed `source` to the program's stdin and capture stdout/stderr until the sandbox exits, the
     deadline passes (-> timed_out) or an output passes its cap; then kill it and drain the pipes.
 
@@ -398,7 +398,7 @@ def _communicate(proc, source: bytes, stdin_fd: int, stdout_fd: int, stderr_fd: 
         os.close(exited)
         if stdin_open:
             os.close(stdin_fd)
-        _kill_sandbox(proc)
+        _kill_sandbox(proc, namespaces)
         for output in outputs:  # whatever is still buffered; in namespace mode every writer is dead
             while not output.overflowed and output.read():
                 pass
@@ -416,16 +416,18 @@ def _feed(stdin_fd: int, pending: memoryview) -> memoryview:
         return pending[len(pending):]
 
 
-def _kill_sandbox(proc: subprocess.Popen) -> None:
+def _kill_sandbox(proc: subprocess.Popen, namespaces: bool) -> None:
     """SIGKILL the sandbox and wait until nothing of it is left.
 
     In namespace mode the launcher's child is pid 1 of the sandbox's pid namespace: killing it makes the
     kernel kill every process inside, and `unshare` reaps it (and exits) only after they are all gone.
-    The process-group kill is what the rlimits mode has (and what stops a stuck `unshare`).
+    In rlimits mode `proc` is the program's interpreter, the leader of its own process group: the whole
+    group is killed while the leader is not yet reaped (so its id cannot name another group), then the
+    leader is reaped. The process-group kill also stops a stuck `unshare`.
     """
     if proc.returncode is not None:
         return  # already reaped: its pid (and so the group id) may belong to someone else now
-    if _kill_children(proc.pid):
+    if namespaces and _kill_children(proc.pid):
         try:
             proc.wait(timeout=10.0)
             return

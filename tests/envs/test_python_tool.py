@@ -385,3 +385,81 @@ def test_attack_privilege_escalation_is_refused(request):
         print(os.getuid() != 0, open("/proc/self/status").read().split("NoNewPrivs:")[1].split()[0])
     """)
     assert result.stdout == "blocked PermissionError\nblocked PermissionError\nTrue 1\n", result
+
+
+# ---- limits and caps at their boundaries ---------------------------------------------------------
+
+def test_rlimits_seen_inside_the_sandbox_are_the_documented_ones():
+    result = run("""
+        import resource as r
+        for name in ("RLIMIT_CPU", "RLIMIT_NOFILE", "RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_CORE"):
+            print(name, *r.getrlimit(getattr(r, name)))
+    """, timeout_s=2.5, memory_mb=300, scratch_mb=3)
+    # CPU: ceil(2.5) + 1 = 4 soft, 5 hard; 64 files; file size = scratch 3 MiB; address space = 300 MiB
+    assert result.stdout.splitlines() == ["RLIMIT_CPU 4 5", "RLIMIT_NOFILE 64 64", "RLIMIT_FSIZE 3145728 3145728",
+                                          "RLIMIT_AS 314572800 314572800", "RLIMIT_CORE 0 0"], result
+
+
+def test_environment_is_exactly_path_home_tmpdir_lang_with_home_the_scratch_dir():
+    result = run("import os\nprint(sorted(os.environ))\n"
+                 "print(os.environ['HOME'] == os.environ['TMPDIR'] == os.getcwd())")
+    assert result.stdout == "['HOME', 'LANG', 'PATH', 'TMPDIR']\nTrue\n", result
+
+
+def test_output_of_exactly_the_cap_is_not_truncated():
+    result = run("import sys; sys.stdout.write('a' * 16)", max_output_bytes=16)
+    assert result.ok and not result.output_truncated and result.stdout == "a" * 16, result
+
+
+def test_code_of_exactly_the_size_limit_runs_and_one_byte_more_is_refused():
+    limit = 256 * 1024
+    assert run("#" * limit).ok
+    with pytest.raises(ValueError, match="more than the 262144 allowed"):
+        run_python("#" * (limit + 1))
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or only a zombie waiting for init."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_rlimits_level_kills_the_process_group_on_timeout():
+    # the shell exits at once (reaped by subprocess.run), leaving `sleep` in the sandbox's process group
+    result = run_python(textwrap.dedent("""
+        import subprocess, time
+        print(subprocess.run(["sh", "-c", "sleep 30 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True).stdout,
+              end="", flush=True)
+        while True:
+            time.sleep(0.05)
+    """), timeout_s=1.0, isolation=RLIMITS)
+    assert result.timed_out, result
+    pid = int(result.stdout)
+    deadline = time.monotonic() + 2.0
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _gone(pid):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"sleep (pid {pid}) outlived the call")
+
+
+def test_rlimits_level_timeout_kills_the_group_even_when_the_program_has_a_live_child():
+    """Once killed only the interpreter's direct children, then waited up to 10 s for the interpreter, which
+    here died of RLIMIT_CPU first, so no group kill came and the grandchild outlived the call."""
+    result = run_python(textwrap.dedent("""
+        import subprocess, time
+        child = subprocess.Popen(["sh", "-c", "sleep 30; :"])  # sh: a direct child; sleep: a grandchild
+        time.sleep(0.3)
+        print(open(f"/proc/{child.pid}/task/{child.pid}/children").read().strip(), flush=True)
+        while True:
+            pass
+    """), timeout_s=1.0, isolation=RLIMITS)
+    assert result.timed_out, result
+    pid = int(result.stdout)
+    time.sleep(0.5)
+    if not _gone(pid):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"sleep (pid {pid}, a grandchild of the timed-out program) outlived the call")
