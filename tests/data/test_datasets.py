@@ -137,3 +137,15 @@ def test_restored_state_continues_exactly():
 def test_loader_arguments_are_checked(kwargs, message):
     with pytest.raises(ValueError, match=message):
         prompt_loader(PROMPTS, **{"seed": 0, **kwargs})
+
+
+def test_as_many_prompts_as_shards_gives_one_prompt_per_shard():
+    shards = [[p.id for p in prompt_loader(PROMPTS[:3], seed=0, num_epochs=1, shard_index=i, shard_count=3)]
+              for i in range(3)]
+    assert shards == [[100], [101], [102]]
+
+
+def test_the_largest_seed_is_accepted_and_one_more_is_refused():
+    assert len(list(prompt_loader(PROMPTS, seed=2**32 - 1, num_epochs=1))) == len(PROMPTS)
+    with pytest.raises(ValueError, match="seed must be in"):
+        prompt_loader(PROMPTS, seed=2**32)

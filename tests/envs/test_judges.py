@@ -164,3 +164,37 @@ def test_style_shift_env_with_the_llm_judge():
         result = env.step("hail, thou fair cat.\n")
     assert result.reward == 1.0 and result.info["target_style"] == "classical"
     assert "classical" in server.requests[0]["body"]["messages"][-1]["content"]
+
+
+def test_a_429_rate_limit_is_retried():
+    with StubServer([(429, b"slow down", 0), (200, completion('{"quality": 1, "style": 0}'), 0)]) as server:
+        judge, sleeps = judge_for(server)
+        assert judge.judge("x cat", topics=("cat",), target_style="cute") == Verdict(1, 0)
+    assert len(server.requests) == 2 and sleeps == [0.5]
+
+
+def test_a_garbled_http_status_line_is_retried_then_a_judge_error():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+
+        def answer_garbage():
+            for _ in range(2):
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(b"NOT-HTTP garbage\r\n\r\n")
+
+        thread = threading.Thread(target=answer_garbage, daemon=True)
+        thread.start()
+        judge = LLMJudge(f"http://127.0.0.1:{port}/v1", "m", timeout_s=2.0, max_retries=1, sleep=lambda s: None)
+        with pytest.raises(JudgeError, match="unreachable after 2 attempts: BadStatusLine"):
+            judge.judge("x cat", topics=("cat",), target_style="cute")
+        thread.join(timeout=2.0)
+
+
+def test_negative_retries_are_refused_at_construction():
+    with pytest.raises(ValueError, match="max_retries >= 0"):
+        LLMJudge("http://127.0.0.1:1/v1", "m", max_retries=-1)
+    assert LLMJudge("http://127.0.0.1:1/v1", "m", max_retries=0).max_retries == 0

@@ -66,6 +66,7 @@ def test_schedule_state_dict_round_trips_and_refuses_another_schedule():
     ("nyan cat, fateful day", None),          # neither does "fate" in "fateful"
     ("nya~ thou cat", None),                  # a tie is no style
     ("nya~ uwu thou cat", "cute"),            # strictly most markers wins
+    ("sothou cat", None),                     # nor "thou" with a letter before it
     ("hello cat", None),
 ])
 def test_style_of_reads_the_documented_markers(text, style):
@@ -83,6 +84,10 @@ def test_style_of_reads_the_documented_markers(text, style):
     ("hail thou " + "tea " * 30, ("tea",), "classical", Verdict(0, 1)),           # too long
     ("nya~ hello caf\u00e9 cat <3", ("cat",), "cute", Verdict(0, 1)),               # not ASCII
     ("hello cat, good day", ("cat",), "cute", Verdict(1, 0)),                      # no style at all
+    ("cat,nya~!", ("cat",), "cute", Verdict(0, 1)),                                # 9 chars but one word
+    ("nya~ hello cat " + "x" * 65, ("cat",), "cute", Verdict(1, 1)),               # exactly max_chars = 80
+    ("nya~ hello cat " + "x" * 66, ("cat",), "cute", Verdict(0, 1)),               # 81 chars
+    ("nya~ cat", ("cat",), "cute", Verdict(1, 1)),                                 # exactly min_chars = 8
 ])
 def test_rule_judge_scores_hand_written_examples(text, topics, target, verdict):
     got = RuleJudge().judge(text, topics=topics, target_style=target)
@@ -130,3 +135,8 @@ def test_generator_is_deterministic_and_difficulty_is_the_number_of_topics():
     for p in a:
         topics = p.metadata["topics"]
         assert len(set(topics)) == p.difficulty and p.text == f"Greet {', '.join(topics)}:\n"
+
+
+def test_an_empty_difficulty_list_is_refused_by_name():
+    with pytest.raises(ValueError, match="difficulty must be one of"):
+        StyleShiftEnv.generate_prompts(np.random.default_rng(0), 3, difficulty=[])

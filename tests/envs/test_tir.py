@@ -61,6 +61,17 @@ def test_long_output_is_truncated_with_a_marker():
     assert result.observation == "```output\nxxxxxxxxxx\n[output truncated to the first 10 characters]\n```\n"
 
 
+def test_output_of_exactly_max_output_chars_is_not_marked_truncated():
+    result = started(max_output_chars=8).step(code("print('abcdefg')"))  # 7 letters + newline = 8 characters
+    assert result.observation == "```output\nabcdefg\n```\n"
+
+
+def test_an_unclosed_code_block_gets_the_hint_on_block_syntax():
+    result = started().step(f"```python\nprint(1)\n{DEFAULT_STOP}")
+    assert result.observation == ("<err>format: run code in a ```python block, or give the final answer in \\boxed{} "
+                                  "(a ```python block starts on its own line and ends with ```)</err>\n")
+
+
 def test_observation_is_plain_ascii():
     result = started().step(code("print('\\u03c0\\tx')"))
     assert result.observation == "```output\n\\u03c0\\tx\n```\n"

@@ -2,6 +2,7 @@
 URL, and a resume on a machine without the local mirror appends to the metrics at the URL."""
 
 import json
+import os
 import shutil
 
 import fsspec
@@ -44,6 +45,25 @@ def test_pull_fetches_a_file_the_url_has_and_reports_one_it_lacks():
     assert (mirror.local / "process_1" / "metrics.jsonl").read_text() == '{"step": 0}\n'
     assert not mirror.pull(mirror.local / "metrics.jsonl")
     assert not (mirror.local / "metrics.jsonl").exists()
+
+
+def test_push_copies_a_same_size_rewrite_with_a_new_mtime():
+    mirror = OutputMirror.fresh("memory://bucket/same_size")
+    path = mirror.local / "summary.json"
+    path.write_text("{}\n")
+    os.utime(path, ns=(1_000_000_000, 1_000_000_000))
+    assert mirror.push() == ["summary.json"]
+    path.write_text("[]\n")
+    os.utime(path, ns=(2_000_000_000, 2_000_000_000))
+    assert mirror.push() == ["summary.json"]
+    assert fsspec.filesystem("memory").cat("/bucket/same_size/summary.json") == b"[]\n"
+
+
+def test_fresh_mirrors_are_per_process_and_start_empty():
+    first = OutputMirror.fresh("memory://bucket/fresh", process_index=0)
+    (first.local / "stale.txt").write_text("left over")
+    assert not any(OutputMirror.fresh("memory://bucket/fresh/", process_index=0).local.iterdir())
+    assert OutputMirror.fresh("memory://bucket/fresh", process_index=1).local != first.local
 
 
 @pytest.mark.slow
