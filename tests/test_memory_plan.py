@@ -361,3 +361,41 @@ def test_launch_gives_up_after_max_restarts(tmp_path):
     assert result.returncode == 1 and "giving up after 2 attempts" in result.stderr
     assert sum("sao-train" in c for c in calls) == 2
     assert not any("tpu-vm delete" in c for c in calls)  # a READY slice is not recreated
+
+
+def _tiny(**changes):
+    settings = dict(chips=8, weights="bfloat16", master_f32=True, rollout_batch=4, rollout_tokens=16,
+                    train_seq_len=16, micro_batch=4, train_batch=8)  # fmt: skip
+    return mp.plan(tiny_qwen3_moe(), MESH, **{**settings, **changes})
+
+
+def test_one_micro_batch_holds_gradients_once():
+    p = _tiny(train_batch=4)
+    assert p["workload"]["gradient_accumulation"] is False
+    acts = p["policy"]["activations"]["total"]
+    assert p["policy"]["transient_per_chip"] == 4 * POLICY_CHIP + acts  # f32 gradients, once
+
+
+def test_experts_touched_by_two_tokens_per_replica():
+    # 8 sequences over data·fsdp = 4: 2 tokens per replica per decode step hit 1 − (1 − 2/4)² of the experts.
+    assert _tiny(rollout_batch=8)["experts_touched"] == pytest.approx(0.75)
+
+
+def test_logit_chunk_bounds_the_policy_logits():
+    acts = _tiny(logit_chunk=4)["policy"]["activations"]
+    assert acts["logits"] == 2 * 1 * 4 * 97 * 4  # b · T_chunk · V · f32, logits and their cotangent
+
+
+def test_a_second_rollout_mesh_on_shared_chips_holds_a_cast_copy():
+    # Rollout mesh data=8 on the train chips: a float32 (compute dtype) copy of the policy, replicated.
+    p = _tiny(rollout_mesh_shape={"data": 8})
+    assert p["rollout_weights_copy_per_chip"] == 4 * POLICY
+    rollout_peak = 4 * POLICY + p["kv_cache"]["per_chip"]
+    assert p["chip_peaks"] == {"shared": p["persistent_per_chip"] + max(p["train_transient_per_chip"], rollout_peak)}
+
+
+def test_shared_chip_peak_is_the_larger_phase_not_the_sum(tiny_plan):
+    train = tiny_plan["persistent_per_chip"] + tiny_plan["train_transient_per_chip"]
+    assert tiny_plan["rollout_weights_copy_per_chip"] == 0  # read in place on the train mesh
+    assert tiny_plan["kv_cache"]["per_chip"] < tiny_plan["train_transient_per_chip"]
+    assert tiny_plan["chip_peaks"] == {"shared": train}

@@ -87,3 +87,36 @@ def test_large_presets_match_published_parameter_counts():
 
 def test_cpu_preset_is_small():
     assert 1e6 <= param_count(cpu_moe()) <= 3e6
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"partial_rotary_factor": 0.375}, "even number >= 2 \\(got 0.375 \\* 8\\)"),  # 3 rotary dims
+        ({"moe_capacity_factor": 0.0}, "moe_capacity_factor must be > 0"),
+        ({"moe_layer_step": 0}, "moe_layer_step must be >= 1"),
+        ({"num_experts_per_token": 5}, "num_experts_per_token must be in \\[1, num_experts=4\\]"),
+    ],
+)
+def test_invalid_model_configs_are_rejected(changes, message):
+    with pytest.raises(ModelConfigError, match=message):
+        tiny_qwen3_moe(**changes)
+
+
+def test_group_limited_routing_needs_two_experts_per_group():
+    with pytest.raises(ModelConfigError, match=">= 2 experts per group"):
+        tiny_glm4_moe(num_expert_groups=8)  # 8 experts in 8 groups
+
+
+def test_every_expert_may_be_selected():
+    assert tiny_qwen3_moe(num_experts_per_token=4).num_experts_per_token == 4
+
+
+def test_tiny_parameter_counts_by_hand():
+    """tiny_qwen3_moe, counted in tests/test_memory_plan.py's docstring: trunk 20320, LM head 3104,
+    value head 33; one token uses 2 of the 4 routed experts (6144 / 2 elements fewer)."""
+    config = tiny_qwen3_moe()
+    assert param_count(config) == 20320 + 3104
+    assert param_count(config, active=True) == 20320 + 3104 - 6144 // 2
+    assert param_count(config, kind="critic") == 20320 + 33
+    assert param_count(tiny_qwen3_moe(tie_word_embeddings=True)) == 20320

@@ -56,3 +56,12 @@ def test_from_pretrained_critic_loads_the_policy_trunk(policy, tmp_path):
     assert isinstance(critic, Critic)
     _assert_decoder_equal(critic, policy)
     assert isinstance(critic.value_head.kernel, nnx.Param) and not hasattr(critic, "lm_head")
+
+
+def test_value_head_adds_its_bias(policy):
+    critic = Critic.from_policy(policy, rngs=nnx.Rngs(1))
+    ids = jnp.array([[1, 2, 3, 4]])
+    values = nnx.jit(lambda critic: critic(ids))
+    before = values(critic)
+    critic.value_head.bias[...] = jnp.asarray(0.75, jnp.float32)
+    np.testing.assert_allclose(values(critic) - before, 0.75, rtol=1e-6)

@@ -16,6 +16,7 @@ import optax
 import pytest
 from flax import nnx
 
+from sao_jax import advantages as adv
 from sao_jax.checkpoint import Checkpointer
 from sao_jax.config import ConfigError, load_config
 from sao_jax.models import Critic, Policy, tiny_qwen3_moe
@@ -99,6 +100,21 @@ def test_whole_groups_are_checked_by_position():
         steps_lib.check_whole_groups(np.array([1, 1, 1, 1, 2, 2]), 4)
     with pytest.raises(ValueError, match="padding rows must come after"):
         steps_lib.check_whole_groups(np.array([-1, -1, 3, 3]), 2)
+
+
+@pytest.mark.parametrize("scope", ["per_prompt", "global"])
+def test_running_mean_reads_the_scope_and_skips_padding_rows(scope):
+    rng = np.random.default_rng(5)
+    trajectories = [turn_trajectory(rng, i, 1, r) for i, r in [(0, 1.0), (1, 0.5), (0, 0.25)]]
+    batch = jax.tree.map(jnp.asarray, collate(trajectories, batch_size=4, buckets=(48,)))  # 1 padding row
+    config = load_config(None, [f"advantage.running_mean_scope={scope}", "advantage.estimator=running_mean"])
+    per_prompt = scope == "per_prompt"
+    baseline = adv.running_mean_init(2 if per_prompt else 1, 8)
+    got, state = steps_lib._outcome_advantages("running_mean", batch, baseline, config)
+    # per prompt: windows {0: [1.0], 1: []} before row 2; global: one window [1.0, 0.5] before row 2.
+    want = [1.0, 0.5, 0.25 - 1.0, 0.0] if per_prompt else [1.0, 0.5 - 1.0, 0.25 - 0.75, 0.0]
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6)
+    np.testing.assert_array_equal(state.count, [2, 1] if per_prompt else [3])  # the padding row wrote nothing
 
 
 def test_config_rejects_batches_of_partial_groups_and_groups_of_one():
@@ -209,6 +225,29 @@ def test_trace_batch_turn_starts_and_padding():
     np.testing.assert_array_equal(batch.gold_tokens[:2, :3], [[5, 6, 0], [7, 8, 9]])
     with pytest.raises(ValueError, match="TRACE needs a gold answer"):
         steps_lib.trace_batch(collate(trajectories, batch_size=4, buckets=(48,)), [[5], []])
+
+
+def test_trace_batch_keeps_a_slot_for_the_state_after_the_last_turn():
+    # T = 4 turns need slots s = 0..4: five, padded to eight; slot 4 (and past it) is the whole row.
+    rng = np.random.default_rng(6)
+    trajectory = turn_trajectory(rng, 0, 4, 1.0)
+    batch = steps_lib.trace_batch(collate([trajectory], batch_size=2, buckets=(48,)), [[5]])
+    starts = [int(np.sum(trajectory.turn_index < s)) for s in range(4)] + [trajectory.num_tokens] * 4
+    np.testing.assert_array_equal(batch.turn_start[0], starts)
+
+
+def test_trace_metrics_read_the_last_turn_and_real_rows_only(trace_setup, monkeypatch):
+    config, state, graphs, steps, policy_tx = trace_setup
+    rng = np.random.default_rng(7)
+    _, batch = grouped_batch(rng, [1.0, 0.0, 0.5, 0.5], 2, batch_size=6, num_turns=[1, 3, 2, 2])
+    batch = jax.tree.map(jnp.asarray, steps_lib.trace_batch(batch, [[5], [6], [7], [8]]))
+    gold = np.array([[-1.0, -2.0, -3.0, -4.0], [-5.0, -6.0, -7.0, -8.0], [-2.0, -1.0, -0.5, -0.5],
+                     [-4.0, -3.0, -2.0, -2.0], [-9.0, -9.0, -9.0, -9.0], [-9.0, -9.0, -9.0, -9.0]], np.float32)
+    monkeypatch.setattr(steps_lib, "reference_gold_logprob_mean", lambda *args, **kwargs: jnp.asarray(gold))
+    _, metrics = steps_lib._trace_advantages(state, batch, graphs, config)
+    # rows 4 and 5 are padding (-9 everywhere); ℓ̄ at slot T: -2 (T=1), -8 (T=3), -0.5 and -2 (T=2).
+    assert float(metrics["trace_gold_logprob_start"]) == pytest.approx((-1 - 5 - 2 - 4) / 4)
+    assert float(metrics["trace_gold_logprob_end"]) == pytest.approx((-2 - 8 - 0.5 - 2) / 4)
 
 
 def test_reference_scores_equal_one_forward_per_prefix_and_gold(reference_model):

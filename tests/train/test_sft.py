@@ -3,6 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 from sao_jax.data.tokenizers import CharTokenizer
@@ -57,3 +58,43 @@ def test_sft_update_minimises_the_action_token_nll():
     for _ in range(20):
         params, opt_state, metrics = update(params, opt_state, batch)
     assert float(metrics["sft/nll"]) < 0.8 * expected  # it fits the demonstrations
+
+
+def test_observations_carry_the_turn_of_the_action_before_them():
+    tok, _, demos = calculator_demos(3)
+    for demo in demos:
+        after_prompt = np.arange(len(demo.tokens)) >= np.flatnonzero(demo.action_mask)[0]
+        observation = after_prompt & ~demo.action_mask
+        assert observation.any()
+        # the tool call is turn 0 and its observation follows it, before the answer (turn 1)
+        np.testing.assert_array_equal(demo.turn_index[observation], 0)
+
+
+def test_demonstration_without_bos_starts_with_the_prompt():
+    tok = CharTokenizer()
+    env_cls = environment_class("calculator")
+    prompt = env_cls.generate_prompts(np.random.default_rng(0), 1)[0]
+    with_bos = demonstration_trajectory(env_cls(), prompt, env_cls.demonstration(prompt), tok)
+    without = demonstration_trajectory(env_cls(), prompt, env_cls.demonstration(prompt), tok, add_bos=False)
+    np.testing.assert_array_equal(without.tokens, with_bos.tokens[1:])
+    assert tok.decode(without.tokens).startswith(prompt.text)
+
+
+def test_sft_token_accuracy_compares_each_prediction_with_the_next_token():
+    tok, _, demos = calculator_demos(4)
+    batch = collate(demos, buckets=(96,))
+    policy = Policy(tiny_qwen3_moe(vocab_size=tok.vocab_size), rngs=nnx.Rngs(0))
+    graph, params, buffers = split_model(policy)
+    tx = optax.adam(3e-3)
+    update = make_sft_update(graph, buffers, tx)
+    params, opt_state, _ = update(params, tx.init(params), batch)
+    for _ in range(15):  # until some predictions are right
+        params, opt_state, _ = update(params, opt_state, batch)
+    forward = nnx.jit(lambda model, tokens, mask: model(tokens, attention_mask=mask))
+    trained = nnx.merge(graph, params, buffers)
+    logits = np.asarray(forward(trained, jnp.asarray(batch.tokens), jnp.asarray(batch.valid_mask)))
+    hits = logits[:, :-1].argmax(-1) == batch.tokens[:, 1:]  # position t predicts token t + 1
+    expected = hits[batch.action_mask[:, 1:]].mean()
+    assert 0 < expected < 1
+    _, _, metrics = update(params, opt_state, batch)  # metrics of the params before this step
+    assert float(metrics["sft/token_accuracy"]) == pytest.approx(expected)
