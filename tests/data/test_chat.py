@@ -337,6 +337,12 @@ def test_template_without_an_end_token_after_assistant_content_is_refused(tmp_pa
         ChatFormat.from_tokenizer(tok)
 
 
+def test_the_longest_added_token_the_continuation_starts_with_ends_the_turn(tmp_path):
+    specials = [*FORMATS["chatml"][1], "<|im"]  # an added token that is a prefix of <|im_end|>
+    chat_format = ChatFormat.from_tokenizer(HFTokenizer.from_folder(write_folder(tmp_path, CHATML, specials)))
+    assert (chat_format.end_of_turn, chat_format.end_of_reply) == ("<|im_end|>", "<|im_end|>")
+
+
 def test_template_errors_are_chat_template_errors():
     with pytest.raises(ChatTemplateError, match="refused the conversation: no tools here"):
         ChatTemplate("{% if messages[0].role == 'tool' %}{{ raise_exception('no tools here') }}{% endif %}").render(
