@@ -85,8 +85,9 @@ def test_parses_a_plain_text_verdict():
     assert verdict == Verdict(1, 0) and verdict.reward == 0.0
 
 
-def test_retries_after_a_500_with_backoff():
-    with StubServer([(500, b"oops", 0), (200, completion('{"quality": 1, "style": 1}'), 0)]) as server:
+@pytest.mark.parametrize("status", [500, 429])  # a server error, a rate limit
+def test_retries_after_a_server_error_or_rate_limit_with_backoff(status):
+    with StubServer([(status, b"oops", 0), (200, completion('{"quality": 1, "style": 1}'), 0)]) as server:
         judge, sleeps = judge_for(server)
         assert judge.judge("hail thou cat", topics=("cat",), target_style="classical") == Verdict(1, 1)
     assert len(server.requests) == 2 and sleeps == [0.5]
@@ -164,13 +165,6 @@ def test_style_shift_env_with_the_llm_judge():
         result = env.step("hail, thou fair cat.\n")
     assert result.reward == 1.0 and result.info["target_style"] == "classical"
     assert "classical" in server.requests[0]["body"]["messages"][-1]["content"]
-
-
-def test_a_429_rate_limit_is_retried():
-    with StubServer([(429, b"slow down", 0), (200, completion('{"quality": 1, "style": 0}'), 0)]) as server:
-        judge, sleeps = judge_for(server)
-        assert judge.judge("x cat", topics=("cat",), target_style="cute") == Verdict(1, 0)
-    assert len(server.requests) == 2 and sleeps == [0.5]
 
 
 def test_a_garbled_http_status_line_is_retried_then_a_judge_error():
