@@ -60,10 +60,16 @@ FROZEN_TRAINABLE_CHIP = 128 // 4 + 6144 // 4
 ADAM_COUNT = 4  # the int32 step count of scale_by_adam (replicated)
 
 
+def _tiny(**changes):
+    """The tiny preset's plan on MESH; `changes` override the workload."""
+    settings = dict(chips=8, weights="bfloat16", master_f32=True, rollout_batch=4, rollout_tokens=16,
+                    train_seq_len=16, micro_batch=4, train_batch=8)  # fmt: skip
+    return mp.plan(tiny_qwen3_moe(), MESH, **{**settings, **changes})
+
+
 @pytest.fixture(scope="module")
 def tiny_plan():
-    return mp.plan(tiny_qwen3_moe(), MESH, chips=8, weights="bfloat16", master_f32=True, rollout_batch=4,
-                   rollout_tokens=16, train_seq_len=16, micro_batch=4, train_batch=8)  # fmt: skip
+    return _tiny()
 
 
 def test_parameter_counts_match_the_architecture(tiny_plan):
@@ -361,12 +367,6 @@ def test_launch_gives_up_after_max_restarts(tmp_path):
     assert result.returncode == 1 and "giving up after 2 attempts" in result.stderr
     assert sum("sao-train" in c for c in calls) == 2
     assert not any("tpu-vm delete" in c for c in calls)  # a READY slice is not recreated
-
-
-def _tiny(**changes):
-    settings = dict(chips=8, weights="bfloat16", master_f32=True, rollout_batch=4, rollout_tokens=16,
-                    train_seq_len=16, micro_batch=4, train_batch=8)  # fmt: skip
-    return mp.plan(tiny_qwen3_moe(), MESH, **{**settings, **changes})
 
 
 def test_one_micro_batch_holds_gradients_once():

@@ -427,6 +427,16 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def assert_gone_soon(pid: int, what: str) -> None:
+    """`pid` is gone within 2 s; else it is killed here and the test fails."""
+    deadline = time.monotonic() + 2.0
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not _gone(pid):
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"{what} (pid {pid}) outlived the call")
+
+
 def test_rlimits_level_kills_the_process_group_on_timeout():
     # the shell exits at once (reaped by subprocess.run), leaving `sleep` in the sandbox's process group
     result = run_python(textwrap.dedent("""
@@ -437,13 +447,7 @@ def test_rlimits_level_kills_the_process_group_on_timeout():
             time.sleep(0.05)
     """), timeout_s=1.0, isolation=RLIMITS)
     assert result.timed_out, result
-    pid = int(result.stdout)
-    deadline = time.monotonic() + 2.0
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not _gone(pid):
-        os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"sleep (pid {pid}) outlived the call")
+    assert_gone_soon(int(result.stdout), "sleep")
 
 
 def test_rlimits_level_timeout_kills_the_group_even_when_the_program_has_a_live_child():
@@ -458,8 +462,4 @@ def test_rlimits_level_timeout_kills_the_group_even_when_the_program_has_a_live_
             pass
     """), timeout_s=1.0, isolation=RLIMITS)
     assert result.timed_out, result
-    pid = int(result.stdout)
-    time.sleep(0.5)
-    if not _gone(pid):
-        os.kill(pid, signal.SIGKILL)
-        pytest.fail(f"sleep (pid {pid}, a grandchild of the timed-out program) outlived the call")
+    assert_gone_soon(int(result.stdout), "sleep, a grandchild of the timed-out program,")
