@@ -348,6 +348,18 @@ def few_rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     return few_rows_matmul_cpu(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
 
 
+def few_rows_matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
+    """[x · w for w in ws] (x [..., depth], w [depth, width_i]) as one `few_rows_matmul` against the ws
+    side by side: one kernel call, one round of the thread pool, where there would be len(ws). The
+    weights do not change inside a decode loop, so XLA hoists their concatenation out of it. On the
+    2-core CPU, q, k and v in one call took the d256 MoE decode step (batch 32) 3–4 % less time
+    (median ratio over 60 alternations in one process: 0.961, 0.967, 0.964; batch 1: 0.969); with
+    the dense MLP's gate and up too, the d256 dense step 1–2 % less (0.990, 0.984)."""
+    y = few_rows_matmul(x, jnp.concatenate(ws, axis=1))
+    ends = [sum(w.shape[1] for w in ws[: i + 1]) for i in range(len(ws) - 1)]
+    return jnp.split(y, ends, axis=-1)
+
+
 class Projection(nnx.Module):
     """y = einsum(x, kernel) (+ bias): a Linear layer whose kernel keeps heads as their own axis. The
     equation contracts x's trailing axes with the kernel's leading ones (`"btd,dhk->bthk"`,
@@ -401,7 +413,7 @@ class Attention(nnx.Module):
         """x: [batch, time, embed]; rope: (cos, sin) from `rope_angles`. With `cache_kv = (keys, values)`
         of this layer, the chunk's keys/values are written at `layout.write_slots` and attention runs
         over the whole cache. Returns (output [batch, time, embed], updated (keys, values) or None)."""
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.project_qkv(x)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -412,3 +424,15 @@ class Attention(nnx.Module):
         else:
             out = causal_attention(q, k, v, layout.allowed)
         return self.o_proj(out), cache_kv
+
+    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v of x [batch, time, embed]: at a decode step (time 1) where `few_rows_kernel_applies`
+        to the three kernels side by side, in one `few_rows_matmuls` call; else each projection's own."""
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        batch, time, depth = x.shape
+        kernels = [p.kernel[...].astype(x.dtype) for p in projections]
+        if time != 1 or not few_rows_kernel_applies(batch, depth, sum(w.size for w in kernels) // depth, x.dtype):
+            return tuple(p(x) for p in projections)
+        flat = few_rows_matmuls(x, [w.reshape(depth, -1) for w in kernels])
+        out = (y.reshape(batch, time, *w.shape[1:]) for y, w in zip(flat, kernels))
+        return tuple(y if p.bias is None else y + p.bias[...].astype(x.dtype) for y, p in zip(out, projections))

@@ -22,7 +22,7 @@ from flax import nnx
 
 from sao_jax import native
 from sao_jax.models.config import ModelConfig
-from sao_jax.models.layers import few_rows_kernel_applies, few_rows_matmul, normal_param
+from sao_jax.models.layers import few_rows_kernel_applies, few_rows_matmul, few_rows_matmuls, normal_param
 
 
 class RouterBias(nnx.Variable):
@@ -83,12 +83,14 @@ class FeedForward(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., embed]. The leading axes are flattened first: on XLA:CPU the backward of a
         [batch, time, embed] matmul (contracting batch and time together) runs ~1.4× slower. A
-        decode step's x [batch, 1, embed] goes through `few_rows_matmul` where it applies."""
+        decode step's x [batch, 1, embed] goes through `few_rows_matmuls` (gate and up in one call) and
+        `few_rows_matmul` where they apply."""
         dtype = x.dtype
         gate, up, down = (w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
         rows = x.shape[0] if x.ndim == 3 and x.shape[1] == 1 else math.inf  # a decode step: [batch, 1, embed]
-        if all(few_rows_kernel_applies(rows, *w.shape, dtype) for w in (gate, down)):
-            return few_rows_matmul(jax.nn.silu(few_rows_matmul(x, gate)) * few_rows_matmul(x, up), down)
+        if all(few_rows_kernel_applies(rows, *w.shape, dtype) for w in (gate, down)):  # so does [gate | up]
+            x_gate, x_up = few_rows_matmuls(x, (gate, up))
+            return few_rows_matmul(jax.nn.silu(x_gate) * x_up, down)
         return swiglu(x.reshape(-1, x.shape[-1]), gate, up, down).reshape(x.shape)
 
 

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sao_jax.models import Policy, layers, tiny_qwen3_moe
-from sao_jax.models.layers import FEW_ROWS, Projection, few_rows_kernel_applies, few_rows_matmul_cpu
+from sao_jax.models import Policy, layers, tiny_glm4_moe, tiny_qwen3_moe
+from sao_jax.models.layers import (
+    FEW_ROWS, Attention, Projection, few_rows_kernel_applies, few_rows_matmul_cpu, few_rows_matmuls,
+)  # fmt: skip
+from sao_jax.rollout.sampler import Sampler
 
 KERNEL = "sao_few_rows_matmul"
 
@@ -80,14 +83,63 @@ def test_without_the_kernel_a_decode_projection_is_the_einsum(monkeypatch):
     np.testing.assert_allclose(np.asarray(lowered.compile()(x)), want, rtol=1e-5, atol=1e-5)
 
 
+def test_few_rows_matmuls_is_one_kernel_call_with_the_float64_products():
+    rng = np.random.default_rng(5)
+    args = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((6, 1, 32), (32, 16), (32, 48), (32, 32))]
+    lowered = jax.jit(lambda x, *ws: few_rows_matmuls(x, ws)).lower(*args)
+    assert lowered.as_text().count(f"@{KERNEL}") == 1
+    products = lowered.compile()(*args)
+    assert len(products) == 3
+    for got, w in zip(products, args[1:]):
+        want = np.asarray(args[0], np.float64) @ np.asarray(w, np.float64)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [tiny_qwen3_moe(), tiny_glm4_moe()], ids=["qwen3", "glm4 (q, k, v bias)"])
+def test_q_k_v_of_a_decode_step_are_one_kernel_call_and_equal_the_einsums(config):
+    rng = np.random.default_rng(6)
+    attention = Attention(config, rngs=nnx.Rngs(0))
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    for projection in projections:
+        projection.kernel.value = jnp.asarray(rng.normal(size=projection.kernel.value.shape), jnp.float32)
+        if projection.bias is not None:
+            projection.bias.value = jnp.asarray(rng.normal(size=projection.bias.value.shape), jnp.float32)
+    graphdef, state = nnx.split(attention)
+    project_qkv = jax.jit(lambda x: nnx.merge(graphdef, state).project_qkv(x))
+    for time in (1, 3):  # a decode step: one call for the three; a longer chunk: the einsums
+        x = jnp.asarray(rng.normal(size=(5, time, config.hidden_size)), jnp.float32)
+        lowered = project_qkv.lower(x)
+        assert lowered.as_text().count(f"@{KERNEL}") == (time == 1)
+        for got, projection in zip(lowered.compile()(x), projections):
+            want = np.einsum("btd,dhk->bthk", np.asarray(x, np.float64), np.asarray(projection.kernel.value, np.float64))
+            if projection.bias is not None:
+                want = want + np.asarray(projection.bias.value, np.float64)
+            np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+
+
+def test_the_decode_loop_carries_the_side_by_side_weights_rather_than_joining_them_each_step():
+    """The weights do not change in a decode chunk, so XLA hoists their concatenation out of the
+    loop: the while loop carries q | k | v [32, 64] (both layers) and the dense layer's gate | up
+    [32, 96]."""
+    config = tiny_qwen3_moe()
+    policy = Policy(config, rngs=nnx.Rngs(0))
+    sampler = Sampler(policy, chunk_size=4)
+    state = sampler.init_state(2, 16)
+    keys = jax.random.split(jax.random.key(0), 2)
+    budgets, stop_ids = jnp.full((2,), 4, jnp.int32), jnp.full((2, 1), -1, jnp.int32)
+    compiled = sampler._decode_chunk.lower(nnx.state(policy), state, keys, budgets, stop_ids, 16).compile()
+    (loop,) = [line for line in compiled.as_text().splitlines() if " while(" in line]
+    assert loop.count("f32[32,64]") == 2 and loop.count("f32[32,96]") == 1
+
+
 def test_a_decode_step_of_the_policy_runs_every_projection_through_the_kernel():
-    """Layer 0 dense (q, k, v, o, gate, up, down), layer 1 MoE (q, k, v, o), the LM head (vocab 112):
-    12 kernel calls; the logits equal the first position of a 2-token forward (XLA's dots)."""
+    """Layer 0 dense (q | k | v, o, gate | up, down), layer 1 MoE (q | k | v, o), the LM head (vocab
+    112): 7 kernel calls; the logits equal the first position of a 2-token forward (XLA's dots)."""
     config = tiny_qwen3_moe(vocab_size=112, initializer_range=0.3)
     graphdef, state = nnx.split(Policy(config, rngs=nnx.Rngs(0)))
     forward = jax.jit(lambda ids: nnx.merge(graphdef, state)(ids))
     ids = jnp.asarray(np.random.default_rng(4).integers(0, 112, (5, 2)), jnp.int32)
     lowered = forward.lower(ids[:, :1])
-    assert lowered.as_text().count(f"@{KERNEL}") == 12
+    assert lowered.as_text().count(f"@{KERNEL}") == 7
     np.testing.assert_allclose(np.asarray(lowered.compile()(ids[:, :1])), np.asarray(forward(ids))[:, :1],
                                rtol=1e-5, atol=1e-5)  # fmt: skip
