@@ -111,7 +111,8 @@ def test_q_k_v_of_a_decode_step_are_one_kernel_call_and_equal_the_einsums(config
         lowered = project_qkv.lower(x)
         assert lowered.as_text().count(f"@{KERNEL}") == (time == 1)
         for got, projection in zip(lowered.compile()(x), projections):
-            want = np.einsum("btd,dhk->bthk", np.asarray(x, np.float64), np.asarray(projection.kernel.value, np.float64))
+            kernel = np.asarray(projection.kernel.value, np.float64)
+            want = np.einsum("btd,dhk->bthk", np.asarray(x, np.float64), kernel)
             if projection.bias is not None:
                 want = want + np.asarray(projection.bias.value, np.float64)
             np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
