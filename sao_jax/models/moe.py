@@ -71,6 +71,61 @@ def _routed_swiglu_cpu_backward(residuals, cotangent):
 routed_swiglu_cpu.defvjp(_routed_swiglu_cpu_forward, _routed_swiglu_cpu_backward)
 
 
+def pack_experts(gate_proj, up_proj, down_proj):
+    """The experts' weights laid out for `routed_swiglu_packed_cpu`: [experts, 3 · embed · mlp], per
+    expert G, U then D, each [depth, width] matrix stored as [width / 16][depth][16] so that a
+    16-column strip's weights are contiguous (the kernel reads them in memory order)."""
+
+    def strips(w):  # [experts, depth, width] → [experts, width / 16 · depth · 16]
+        experts, depth, width = w.shape
+        return w.reshape(experts, depth, width // 16, 16).transpose(0, 2, 1, 3).reshape(experts, -1)
+
+    return jnp.concatenate([strips(gate_proj), strips(up_proj), strips(down_proj)], axis=1)
+
+
+def routed_swiglu_packed_cpu(x, expert_ids, weights, packed):
+    """`routed_swiglu_cpu` on the weights of `pack_experts` (the same numbers, bit for bit here): the
+    kernel reads each strip of 16 columns in memory order instead of panels of 8 rows. Decode only (no
+    gradient); the sampler packs once per weight version (`decode_layouts`)."""
+    if not native.expert_swiglu_available():  # builds and registers the kernel
+        raise RuntimeError("routed_swiglu_packed_cpu: the CPU kernel is unavailable (logged why)")
+    call = jax.ffi.ffi_call(native.EXPERT_SWIGLU_PACKED_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
+                            vmap_method="sequential")  # fmt: skip
+    return call(x, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), packed)
+
+
+class DecodeLayout(nnx.Variable):
+    """An Experts module's weights as `pack_experts` lays them out, attached for one decode call by
+    `attach_decode_layouts`. Not a Param: never trained, saved or exported."""
+
+
+def decode_layout_applies(config: ModelConfig) -> bool:
+    """Whether a decode step of this model runs `routed_swiglu_packed_cpu` when given packed weights:
+    MoE layers with the blocked dispatch (whose decode steps take the routed kernel) where the kernel
+    takes the compute dtype and widths (`routed_kernel_applies`)."""
+    widths = (config.hidden_size, config.moe_intermediate_size)
+    return config.num_experts > 0 and config.moe_dispatch == "blocked" and routed_kernel_applies(
+        config.compute_dtype, *widths)
+
+
+def decode_layouts(model) -> tuple[jax.Array, ...]:
+    """`pack_experts` of each Experts module of `model` (a Policy or Critic), in module order, cast to
+    its compute dtype."""
+    dtype = model.config.compute_dtype
+    return tuple(pack_experts(*(w[...].astype(dtype) for w in (e.gate_proj, e.up_proj, e.down_proj)))
+                 for _, e in model.iter_modules() if isinstance(e, Experts))  # fmt: skip
+
+
+def attach_decode_layouts(model, layouts) -> None:
+    """Gives each Experts module of `model` (in module order) its packed weights from `decode_layouts`;
+    its MoE's decode steps then read those. For a model merged inside a jitted decode call."""
+    modules = [experts for _, experts in model.iter_modules() if isinstance(experts, Experts)]
+    if len(modules) != len(layouts):
+        raise ValueError(f"{len(layouts)} packed expert layouts for {len(modules)} Experts modules")
+    for experts, layout in zip(modules, layouts):
+        experts.decode_layout = DecodeLayout(layout)
+
+
 class FeedForward(nnx.Module):
     """A dense SwiGLU MLP (`gate_proj`, `up_proj`: [embed, mlp]; `down_proj`: [mlp, embed])."""
 
@@ -385,6 +440,7 @@ class Experts(nnx.Module):
         self.gate_proj = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), config)
         self.up_proj = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), config)
         self.down_proj = normal_param(rngs, (e, f, d), ("expert", "mlp", "embed"), config)
+        self.decode_layout: DecodeLayout | None = nnx.data(None)  # set only by `attach_decode_layouts`
 
 
 class MoE(nnx.Module):
@@ -412,7 +468,8 @@ class MoE(nnx.Module):
             capacity = expert_capacity(batch * time, self.config.num_experts_per_token, self.config.num_experts,
                                        self.config.moe_capacity_factor)  # fmt: skip
             dispatch = functools.partial(dispatch, capacity=capacity, token_mask=token_mask.reshape(-1))
-        elif dispatch is blocked_dispatch:
+        kernel = False  # whether this call takes the routed kernel
+        if dispatch is blocked_dispatch:
             # A decode step has so few tokens that the blocks would be a scan over about two tiny
             # blocks per expert. On the CPU one kernel runs the chosen experts on their tokens
             # (`few_tokens_dispatch`), at any batch: d256 MoE on the 2-core CPU decoded 64 rows in
@@ -428,8 +485,13 @@ class MoE(nnx.Module):
                 few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
                 dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
         dtype = x.dtype
-        out = dispatch(flat, expert_ids, weights, self.experts.gate_proj[...].astype(dtype),
-                       self.experts.up_proj[...].astype(dtype), self.experts.down_proj[...].astype(dtype))  # fmt: skip
+        packed = self.experts.decode_layout
+        if kernel and packed is not None:  # a decode step, the weights packed by the sampler
+            out = routed_swiglu_packed_cpu(flat, expert_ids, weights, packed[...])
+        else:
+            gate, up, down = (w[...].astype(dtype) for w in (self.experts.gate_proj, self.experts.up_proj,
+                                                             self.experts.down_proj))  # fmt: skip
+            out = dispatch(flat, expert_ids, weights, gate, up, down)
         out = out.reshape(batch, time, d)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)

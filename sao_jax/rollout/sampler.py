@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from sao_jax.models import moe
 from sao_jax.models.layers import KVCache, decode_kernel_applies
 
 
@@ -239,9 +240,12 @@ class Sampler:
         # XLA:CPU's YNNPACK dot fusions ran a decode step's few-row matmuls (32 × 256 · 256 × 1024)
         # about 3x slower than its own dot emitter on the 2-core CPU (benchmarks/RESULTS.md): off here.
         options = {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
-        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(1,), compiler_options=options)
-        self._decode_chunk = jax.jit(self._decode_chunk_impl, donate_argnums=(1,), static_argnums=(5,),
+        self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2,), compiler_options=options)
+        self._decode_chunk = jax.jit(self._decode_chunk_impl, donate_argnums=(2,), static_argnums=(6,),
                                      compiler_options=options)  # fmt: skip
+        self._packs_experts = moe.decode_layout_applies(self.config)
+        self._pack_experts = jax.jit(lambda params: moe.decode_layouts(nnx.merge(self.graphdef, params)))
+        self._packed = ((), ())  # (the params' leaves, their experts packed): the last weights seen
 
     def init_state(self, batch_size: int, max_len: int) -> DecodeState:
         """An empty state: a zeroed cache of `max_len` slots per row (= the longest sequence)."""
@@ -264,7 +268,7 @@ class Sampler:
         tokens = jnp.asarray(tokens, jnp.int32)
         mask = jnp.asarray(mask, bool)
         reset = jnp.zeros(tokens.shape[:1], bool) if reset is None else jnp.asarray(reset, bool)
-        return self._prefill(params, state, tokens, mask, reset)
+        return self._prefill(params, self._packed_experts(params), state, tokens, mask, reset)
 
     def decode_chunk(self, params, state: DecodeState, keys, max_new_tokens, stop_ids, window: int | None = None):
         """Sample up to `chunk_size` tokens per row; returns (state, DecodeChunk).
@@ -284,7 +288,23 @@ class Sampler:
         max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
         stop_ids = jnp.asarray(stop_ids, jnp.int32)
         window = state.cache.max_len if window is None else min(int(window), state.cache.max_len)
-        return self._decode_chunk(params, state, keys, max_new_tokens, stop_ids, window)
+        packed_experts = self._packed_experts(params)
+        return self._decode_chunk(params, packed_experts, state, keys, max_new_tokens, stop_ids, window)
+
+    def _packed_experts(self, params) -> tuple[jax.Array, ...]:
+        """The MoE layers' expert weights packed for the CPU decode kernel (`moe.decode_layouts`), or ()
+        where that kernel does not run. Packed once per weight version: the last params' leaves are
+        kept and the packing reused while the same arrays come in (JAX arrays do not change), so the
+        engine's chunks over one published version pack once. Inside the jitted decode, packing on
+        every call cost the d256 MoE (batch 32) more than it saved (50 MB of transposes a chunk)."""
+        if not self._packs_experts:
+            return ()
+        leaves = jax.tree.leaves(params)
+        seen, packed = self._packed
+        if len(seen) != len(leaves) or any(a is not b for a, b in zip(seen, leaves)):
+            packed = self._pack_experts(params)
+            self._packed = (leaves, packed)  # one assignment: threads sharing the sampler see a whole pair
+        return packed
 
     def window_for(self, state: DecodeState, longest: int) -> int:
         """The window a chunk needs when no row is longer than `longest` tokens at its end: the next of
@@ -329,8 +349,14 @@ class Sampler:
 
     # --- jitted implementations -------------------------------------------------------------------
 
-    def _prefill_impl(self, params, state: DecodeState, tokens, mask, reset):
+    def _model(self, params, packed_experts):
         model = nnx.merge(self.graphdef, params)
+        if packed_experts:
+            moe.attach_decode_layouts(model, packed_experts)
+        return model
+
+    def _prefill_impl(self, params, packed_experts, state: DecodeState, tokens, mask, reset):
+        model = self._model(params, packed_experts)
         cache = state.cache.replace(lengths=jnp.where(reset, 0, state.cache.lengths))
         logits, cache, _ = model.forward(tokens, attention_mask=mask, cache=cache)
         time = tokens.shape[1]
@@ -339,8 +365,9 @@ class Sampler:
         fed = jnp.any(mask, axis=1)
         return DecodeState(cache=cache, next_logits=jnp.where(fed[:, None], last_logits, state.next_logits))
 
-    def _decode_chunk_impl(self, params, state: DecodeState, keys, max_new_tokens, stop_ids, window):
-        model = nnx.merge(self.graphdef, params)
+    def _decode_chunk_impl(self, params, packed_experts, state: DecodeState, keys, max_new_tokens, stop_ids,
+                           window):  # fmt: skip
+        model = self._model(params, packed_experts)
         batch, chunk = state.next_logits.shape[0], self.chunk_size
         full = state.cache
         budget = jnp.minimum(max_new_tokens, full.max_len - full.lengths)  # a row finishes when it is spent

@@ -128,7 +128,9 @@ def test_the_decode_loop_carries_the_side_by_side_weights_rather_than_joining_th
     state = sampler.init_state(2, 16)
     keys = jax.random.split(jax.random.key(0), 2)
     budgets, stop_ids = jnp.full((2,), 4, jnp.int32), jnp.full((2, 1), -1, jnp.int32)
-    compiled = sampler._decode_chunk.lower(nnx.state(policy), state, keys, budgets, stop_ids, 16).compile()
+    params = nnx.state(policy)
+    compiled = sampler._decode_chunk.lower(params, sampler._packed_experts(params), state, keys, budgets, stop_ids,
+                                           16).compile()  # fmt: skip
     (loop,) = [line for line in compiled.as_text().splitlines() if " while(" in line]
     assert loop.count("f32[32,64]") == 2 and loop.count("f32[32,96]") == 1
 

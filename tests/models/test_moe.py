@@ -22,8 +22,10 @@ from sao_jax.models.moe import (
     few_tokens_dispatch,
     gathered_dispatch,
     load_balancing_loss,
+    pack_experts,
     route,
     routed_swiglu_cpu,
+    routed_swiglu_packed_cpu,
     sorted_dispatch,
 )
 
@@ -129,12 +131,18 @@ def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(rou
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
 
+def _routed_packed(x, expert_ids, weights, gate, up, down):
+    return routed_swiglu_packed_cpu(x, expert_ids, weights, pack_experts(gate, up, down))
+
+
+@pytest.mark.parametrize("layout", ["stored", "packed"])
 @pytest.mark.parametrize("counts", [[0, 1, 3, 4, 5, 8, 13, 17], [0, 0, 0, 51, 0, 0, 0, 0]])
-def test_routed_swiglu_kernel_equals_the_per_token_sum(counts):
+def test_routed_swiglu_kernel_equals_the_per_token_sum(counts, layout):
     """The CPU kernel groups the assignments by expert and runs each expert's tokens 8, 4, 2 and 1
     rows at a time (0, 1, 3, 4, 5, 8, 13 and 17 assignments take every combination; 51 on one
-    expert: six blocks of 8 and 2 + 1), reading the weights in panels of 8 rows (embed 32: 4
-    panels; mlp 48: 6); experts no token chose are skipped, and an id outside [0, experts) adds 0."""
+    expert: six blocks of 8 and 2 + 1), reading the weights as stored in panels of 8 rows (embed 32:
+    4 panels; mlp 48: 6), or packed (`pack_experts`) a 16-column strip at a time (mlp 48: 3 strips);
+    experts no token chose are skipped, and an id outside [0, experts) adds 0."""
     rng = np.random.default_rng(5)
     num_experts, tokens, k, d, f = 8, 17, 3, 32, 48
     ids = np.concatenate([np.full(n, e) for e, n in enumerate(counts)])  # exactly counts[e] of expert e
@@ -146,13 +154,33 @@ def test_routed_swiglu_kernel_equals_the_per_token_sum(counts):
     down = rng.normal(size=(num_experts, f, d)) * 0.3
     floats = [jnp.asarray(a, jnp.float32) for a in (x, weights, gate, up, down)]
     args = (floats[0], jnp.asarray(ids, jnp.int32), *floats[1:])
-    lowered = jax.jit(routed_swiglu_cpu).lower(*args)
-    assert "sao_expert_swiglu" in lowered.as_text()  # the kernel
+    routed, target = {"stored": (routed_swiglu_cpu, "@sao_expert_swiglu("),
+                      "packed": (_routed_packed, "@sao_expert_swiglu_packed(")}[layout]  # fmt: skip
+    lowered = jax.jit(routed).lower(*args)
+    assert target in lowered.as_text()  # the kernel for this layout
     got = np.asarray(lowered.compile()(*args))
     x, weights, gate, up, down = (np.asarray(a, np.float64) for a in floats)
     in_range = (ids >= 0) & (ids < num_experts)
     want = _dispatch_reference(x, np.where(in_range, ids, 0), weights, gate, up, down, kept=in_range)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_experts_stores_each_matrix_strip_by_strip():
+    """Expert e's G, U, D one after the other, each [depth, width] matrix as [width / 16][depth][16]:
+    w[k, c] at (c // 16) · depth · 16 + k · 16 + c % 16 of its block."""
+    rng = np.random.default_rng(8)
+    gate, up = (rng.normal(size=(3, 32, 48)) for _ in range(2))
+    down = rng.normal(size=(3, 48, 32))
+    packed = np.asarray(pack_experts(*(jnp.asarray(w, jnp.float32) for w in (gate, up, down))))
+    assert packed.shape == (3, 3 * 32 * 48)
+    for e in range(3):
+        offset = 0
+        for w in (gate[e], up[e], down[e]):
+            depth, width = w.shape
+            for k in range(depth):
+                for c in range(width):
+                    assert packed[e, offset + (c // 16) * depth * 16 + k * 16 + c % 16] == np.float32(w[k, c])
+            offset += depth * width
 
 
 def test_routed_swiglu_kernel_has_the_gradients_of_dense_dispatch():

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from sao_jax.data.tokenizers import CharTokenizer
-from sao_jax.models import Policy, tiny_qwen3_moe
+from sao_jax.models import Policy, moe, tiny_qwen3_moe
 from sao_jax import native
 from sao_jax.rollout import sampler as sampler_module
 from sao_jax.rollout.sampler import (Generation, Sampler, entropy_of, sample_from, sampling_log_probs, slot_uniforms,
@@ -162,7 +162,7 @@ def test_bad_settings_are_named(policy):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["kernel", "einsum"])
+@pytest.mark.parametrize("attention", ["kernel", "einsum", "kernel, blocked experts"])
 def test_logprobs_equal_full_forward_through_observation_prefill(policy, plain_sampler, params, full_logits,
                                                                  monkeypatch, attention):  # fmt: skip
     """Prompts of lengths 3, 7, 1 → decode (a first chunk over an 8-slot window, in which the 7-token
@@ -172,10 +172,18 @@ def test_logprobs_equal_full_forward_through_observation_prefill(policy, plain_s
     the observation equal re-encoding. The same keys with the rows in reverse order, decoded
     without the pause, give the same tokens (a row's draws depend only on its key and positions).
     Both decode attentions: the CPU kernel (reads each row's filled slots in the whole cache) and
-    the einsum (over the window's slots, cut from the cache and written back after the chunk)."""
+    the einsum (over the window's slots, cut from the cache and written back after the chunk). With
+    the blocked dispatch (the same weights) the decode steps and the 1-row prefills run the experts'
+    kernel on the weights the sampler packed (`moe.pack_experts`); the reference stays the sorted
+    dispatch's forward."""
     if attention == "einsum":
         monkeypatch.setattr(native, "cached_attention_available", lambda: False)
         plain_sampler = Sampler(policy, chunk_size=4)  # traced while the kernel is off
+    if attention == "kernel, blocked experts":
+        blocked = Policy(policy.config.replace(moe_dispatch="blocked"), rngs=nnx.Rngs(1))
+        nnx.update(blocked, params)
+        plain_sampler = Sampler(blocked, chunk_size=4)
+        assert len(plain_sampler._packed_experts(params)) == 1  # the one MoE layer
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, n) for n in (3, 7, 1)]
     budgets = np.array([6, 9, 4])
@@ -209,6 +217,26 @@ def test_logprobs_equal_full_forward_through_observation_prefill(policy, plain_s
     starts = [len(h) for h in histories]
     histories = [np.concatenate([h, second.tokens[b, : second.lengths[b]]]) for b, h in enumerate(histories)]
     _check_against_reference(_teacher_forced(full_logits, histories), starts, second)
+
+
+def test_experts_are_packed_once_per_weight_version(policy, params):
+    """The sampler packs the experts' weights (`moe.pack_experts`) when new arrays come in, and reuses
+    the packing for the same arrays (another State over them included)."""
+    sampler = Sampler(Policy(policy.config.replace(moe_dispatch="blocked"), rngs=nnx.Rngs(0)))
+    packs = []
+    pack = sampler._pack_experts
+    sampler._pack_experts = lambda params: packs.append(1) or pack(params)
+    first = sampler._packed_experts(params)
+    assert sampler._packed_experts(params) is first and sampler._packed_experts(nnx.state(policy)) is first
+    assert len(packs) == 1
+    experts = policy.layers[1].mlp.experts
+    np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(moe.pack_experts(
+        experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...])))  # fmt: skip
+    newer = jax.tree.map(lambda w: w * 2, params)  # the next published version
+    second = sampler._packed_experts(newer)
+    assert len(packs) == 2
+    np.testing.assert_array_equal(np.asarray(second[0]), 2 * np.asarray(first[0]))
+    assert sampler._packed_experts(newer) is second and len(packs) == 2
 
 
 @pytest.mark.slow
