@@ -221,6 +221,9 @@ class Sampler:
     calls. `chunk_size`: most tokens one `decode_chunk` samples per row before returning to the host
     (a chunk ends early once every row has stopped or paused).
     The `DecodeState` passed to `prefill` / `decode_chunk` is donated: use only the returned one.
+    Where the CPU experts' kernel runs (`moe.decode_layout_applies`), the sampler keeps a packed copy
+    of the MoE layers' expert weights for it, made when a call brings new weight arrays and reused
+    while the same arrays come in (`_packed_experts`).
     """
 
     def __init__(self, policy, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
