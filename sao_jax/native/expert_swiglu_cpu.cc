@@ -64,6 +64,23 @@ struct Shape {
 //   by depth:  [cols][R]           (a matrix product's input: x[r][k] at k · R + r)
 //   by strip:  [cols / 16][R][16]  (its output: y[r][c] at (c / 16) · 16R + 16r + c % 16)
 
+// a[r] += Σ_{k < depth} x[k][r] · w[k][0, 16) for r < R, the sums of R rows × 16 columns in registers:
+// x by depth, w's rows `stride` floats apart; with kAhead > 0 the row kAhead on is prefetched.
+template <int R, int64_t kAhead>
+inline void AddProducts(const float* x, const float* w, int64_t depth, int64_t stride, Vec (&a)[R][2]) {
+#pragma GCC unroll 8
+  for (int64_t k = 0; k < depth; ++k) {
+    const Vec w0 = Load(w + k * stride), w1 = Load(w + k * stride + kLanes);
+    if (kAhead > 0) __builtin_prefetch(w + (k + kAhead) * stride, 0, 2);  // past the end: a hint, no fault
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xr = x[k * R + r];
+      a[r][0] += xr * w0;
+      a[r][1] += xr * w1;
+    }
+  }
+}
+
 // acc[r][0, 16) (+)= Σ_{k < kPanel} x[k][r] · w[k][0, 16) for r < R: x by depth (at the panel's first
 // row), acc one strip of a group by strip, w the panel's 16 columns (rows `width` apart); the sums
 // stay in registers across the panel; `first` starts them at 0.
@@ -74,16 +91,7 @@ inline void Block(const float* x, const float* w, int64_t width, float* acc, boo
     a[r][0] = first ? Vec{} : Load(acc + r * kStrip);
     a[r][1] = first ? Vec{} : Load(acc + r * kStrip + kLanes);
   }
-#pragma GCC unroll 8
-  for (int64_t k = 0; k < kPanel; ++k) {
-    const Vec w0 = Load(w + k * width), w1 = Load(w + k * width + kLanes);
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[k * R + r];
-      a[r][0] += xr * w0;
-      a[r][1] += xr * w1;
-    }
-  }
+  AddProducts<R, 0>(x, w, kPanel, width, a);
   for (int r = 0; r < R; ++r) {
     Store(a[r][0], acc + r * kStrip);
     Store(a[r][1], acc + r * kStrip + kLanes);
@@ -111,34 +119,17 @@ void RowsTimesMatrix(const float* x, int64_t n, const float* w, int64_t depth, i
 
 constexpr int64_t kStripAhead = 128;  // packed weight lines (one a depth) prefetched ahead
 
-// y[r][0, 16) = Σ_k x[k][r] · w[k][0, 16) for r < R: x by depth, w one packed strip [depth][16], y one
-// strip of a group by strip; the sums stay in registers down the whole depth.
-template <int R>
-inline void StripTimesRows(const float* x, const float* w, int64_t depth, float* y) {
-  Vec a[R][2] = {};
-#pragma GCC unroll 4
-  for (int64_t k = 0; k < depth; ++k) {
-    const Vec w0 = Load(w + k * kStrip), w1 = Load(w + k * kStrip + kLanes);
-    __builtin_prefetch(w + (k + kStripAhead) * kStrip, 0, 2);  // may run past the end: a hint, never a fault
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const float xr = x[k * R + r];
-      a[r][0] += xr * w0;
-      a[r][1] += xr * w1;
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    Store(a[r][0], y + r * kStrip);
-    Store(a[r][1], y + r * kStrip + kLanes);
-  }
-}
-
 // y = x · w for n rows as RowsTimesMatrix, w packed [width / 16][depth][16].
 void RowsTimesStrips(const float* x, int64_t n, const float* w, int64_t depth, int64_t width, float* y) {
   for (int64_t c0 = 0; c0 < width; c0 += kStrip) {
     ForGroups(n, [&](int64_t r0, auto rows) {
       constexpr int R = decltype(rows)::value;
-      StripTimesRows<R>(x + r0 * depth, w + c0 * depth, depth, y + r0 * width + c0 * R);
+      Vec a[R][2] = {};  // a packed strip's rows are 16 floats apart, read down the whole depth
+      AddProducts<R, kStripAhead>(x + r0 * depth, w + c0 * depth, depth, kStrip, a);
+      for (int r = 0; r < R; ++r) {
+        Store(a[r][0], y + r0 * width + c0 * R + r * kStrip);
+        Store(a[r][1], y + r0 * width + c0 * R + r * kStrip + kLanes);
+      }
     });
   }
 }
