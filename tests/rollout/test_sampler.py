@@ -173,9 +173,8 @@ def test_logprobs_equal_full_forward_through_observation_prefill(policy, plain_s
     without the pause, give the same tokens (a row's draws depend only on its key and positions).
     Both decode attentions: the CPU kernel (reads each row's filled slots in the whole cache) and
     the einsum (over the window's slots, cut from the cache and written back after the chunk). With
-    the blocked dispatch (the same weights) the decode steps and the 1-row prefills run the experts'
-    kernel on the weights the sampler packed (`moe.pack_experts`); the reference stays the sorted
-    dispatch's forward."""
+    the blocked dispatch (the same weights) every decode step runs the experts' kernel on the weights
+    the sampler packed (`moe.pack_experts`); the reference stays the sorted dispatch's forward."""
     if attention == "einsum":
         monkeypatch.setattr(native, "cached_attention_available", lambda: False)
         plain_sampler = Sampler(policy, chunk_size=4)  # traced while the kernel is off
