@@ -108,18 +108,22 @@ def decode_layout_applies(config: ModelConfig) -> bool:
         config.compute_dtype, *widths)
 
 
+def _experts_modules(model) -> list:
+    return [module for _, module in model.iter_modules() if isinstance(module, Experts)]
+
+
 def decode_layouts(model) -> tuple[jax.Array, ...]:
     """`pack_experts` of each Experts module of `model` (a Policy or Critic), in module order, cast to
     its compute dtype."""
     dtype = model.config.compute_dtype
     return tuple(pack_experts(*(w[...].astype(dtype) for w in (e.gate_proj, e.up_proj, e.down_proj)))
-                 for _, e in model.iter_modules() if isinstance(e, Experts))  # fmt: skip
+                 for e in _experts_modules(model))  # fmt: skip
 
 
 def attach_decode_layouts(model, layouts) -> None:
     """Gives each Experts module of `model` (in module order) its packed weights from `decode_layouts`;
     its MoE's decode steps then read those. For a model merged inside a jitted decode call."""
-    modules = [experts for _, experts in model.iter_modules() if isinstance(experts, Experts)]
+    modules = _experts_modules(model)
     if len(modules) != len(layouts):
         raise ValueError(f"{len(layouts)} packed expert layouts for {len(modules)} Experts modules")
     for experts, layout in zip(modules, layouts):
