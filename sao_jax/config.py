@@ -185,11 +185,23 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 400  # the copy skill switched on between steps ~225 and ~325 in the 3 seeds measured
+    """The warm start: SFT on demonstrations until the policy reproduces held-out ones.
+
+    Every `check_every` steps the policy scores `probe_prompts` held-out gold demonstrations
+    (`sft.demonstration_probability`: the chance that sampling writes the demonstration's actions,
+    given the gold tool choice); SFT stops at the first check whose mean reaches
+    `target_demonstration_probability`, or after `steps` (the cap). A target of 0 runs all `steps`.
+    The learning rate warms up, then stays constant: the stopping point, not a schedule, ends SFT.
+    """
+
+    steps: int = 1500  # the cap
+    target_demonstration_probability: float = 0.8
+    check_every: int = 25
+    probe_prompts: int = 64
     batch_size: int = 32
     # Share of demonstrations from a weaker demonstrator (`weak_demonstration` of the env class; the
     # calculator's calls an estimator): the starting policy then sometimes picks the worse tool, and RL
-    # must learn that the exact one pays. At 0.5 the warm start succeeds 30-47 % of the time (3 seeds).
+    # must learn that the exact one pays.
     weak_demonstration_fraction: float = 0.5
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
     # A folder of finished warm starts, keyed by everything SFT depends on (seed, model, env, sft,
