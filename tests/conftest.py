@@ -31,12 +31,3 @@ LONGEST_FILES = (
 def pytest_collection_modifyitems(items):
     rank = {path: i for i, path in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: the rest keep their order
-
-
-def pytest_report_header(config):
-    """The transformers the reference tests compare against (the suite's 5.x, or 4.57.1 in `make test-hf4`)."""
-    try:
-        import transformers
-    except ImportError:
-        return "transformers: not installed"
-    return f"transformers: {transformers.__version__} ({transformers.__file__})"

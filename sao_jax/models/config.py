@@ -356,9 +356,9 @@ class _Reader:
                 return key.default
         elif self.writer in key.default:
             return key.default[self.writer]
+        writer = "no transformers_version" if self.version is None else f"transformers_version {self.version!r}"
         raise ModelConfigError(
-            f"config.json has no {named}, and its transformers_version={self.version!r} is neither 4.x nor "
-            "5.x, whose defaults sao_jax knows"
+            f"config.json has no {named}, and {writer} says whose default to take (known: 4.x, 5.x)"
         )
 
 
