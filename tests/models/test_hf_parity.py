@@ -118,3 +118,30 @@ def test_param_count_matches_transformers(case):
     assert param_count(config) == hf_model.num_parameters()
     ours = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(policy, nnx.Param)))
     assert ours == hf_model.num_parameters()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_untied", "glm4_moe_tied"])
+def test_bfloat16_checkpoints_round_trip_through_transformers(name, tmp_path):
+    """A bfloat16 model saved by transformers (sharded) loads as bfloat16 parameters holding the same
+    bits; saved back (sharded), transformers reads it as bfloat16 with every tensor unchanged."""
+    hf_config = transformers.AutoConfig.for_model(**CASES[name])
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    _randomize(hf_model, seed=1)
+    hf_model = hf_model.to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    policy = from_pretrained(tmp_path / "hf", dtype=jnp.bfloat16)
+    assert policy.embed.embedding[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(  # the same bits, not just close
+        np.asarray(policy.embed.embedding[...]).view(np.uint16),
+        hf_model.model.embed_tokens.weight.detach().view(torch.int16).numpy().view(np.uint16),
+    )
+    save_pretrained(policy, tmp_path / "ours", max_shard_bytes=20_000)
+    assert (tmp_path / "ours" / "model.safetensors.index.json").exists()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype="auto")
+    assert reloaded.dtype == torch.bfloat16
+    original, restored = hf_model.state_dict(), reloaded.state_dict()
+    assert sorted(restored) == sorted(original)
+    for key, tensor in original.items():  # GLM's router loads as float32 (transformers keeps it so): same values
+        torch.testing.assert_close(restored[key].to(tensor.dtype), tensor, rtol=0, atol=0, msg=key)
