@@ -288,6 +288,7 @@ def _require(config: ModelConfig, model_type: str, **expected) -> None:
 # --- reading config.json: every key, its spellings in transformers 4.x and 5.x, its default -----
 
 _REQUIRED = "required"  # no default: the key sets a shape, and the config classes' defaults are a published model's
+_WRITERS = ("4", "5")  # major versions of transformers whose config classes' defaults `_Key` holds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,9 +331,8 @@ class _Reader:
 
     def __init__(self, hf: dict[str, Any], keys: dict[str, _Key]):
         self.hf, self.keys = hf, keys
-        version = hf.get("transformers_version")
-        self.version = version
-        self.writer = str(version).split(".")[0] if version is not None else None
+        self.version = hf.get("transformers_version")
+        self.writer = None if self.version is None else str(self.version).split(".")[0]
 
     def _lookup(self, spelling: str):
         value = self.hf
@@ -343,19 +343,17 @@ class _Reader:
     def __call__(self, name: str):
         key = self.keys[name]
         found = {spelling: value for spelling in key.spellings if (value := self._lookup(spelling)) is not None}
-        if len(set(map(repr, found.values()))) > 1:
+        values = list(found.values())
+        if any(value != values[0] for value in values):
             given = " and ".join(f"{spelling}={value!r}" for spelling, value in found.items())
             raise ModelConfigError(f"config.json gives {given}: they must agree")
-        if found:
-            return next(iter(found.values()))
+        if values:
+            return values[0]
         named = " or ".join(repr(spelling) for spelling in key.spellings)
         if key.default is _REQUIRED:
             raise ModelConfigError(f"config.json has no {named}: it sets the model's shapes and has no default")
-        if not isinstance(key.default, dict):
-            if self.writer in ("4", "5"):
-                return key.default
-        elif self.writer in key.default:
-            return key.default[self.writer]
+        if self.writer in _WRITERS:
+            return key.default[self.writer] if isinstance(key.default, dict) else key.default
         writer = "no transformers_version" if self.version is None else f"transformers_version {self.version!r}"
         raise ModelConfigError(
             f"config.json has no {named}, and {writer} says whose default to take (known: 4.x, 5.x)"

@@ -147,6 +147,8 @@ def test_two_spellings_that_disagree_are_an_error_naming_both():
     hf["rope_parameters"] = {**hf["rope_parameters"], "rope_theta": 5e5}
     with pytest.raises(ModelConfigError, match="gives rope_theta=10000.0 and rope_parameters.rope_theta=500000.0"):
         ModelConfig.from_hf(hf)
+    hf["rope_parameters"]["rope_theta"] = 10000  # an int equal to the float: the same θ
+    assert ModelConfig.from_hf(hf).rope_theta == 10000.0
 
 
 @pytest.mark.parametrize(
