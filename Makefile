@@ -33,7 +33,7 @@ $(BENCH_VENV)/.bench: pyproject.toml
 # transformers 4.57.1 (and the huggingface_hub and tokenizers it needs) laid over .venv's packages
 # for `make test-hf4`: the HF tests against the last 4.x, the suite itself runs against 5.x.
 HF4 := .venv-hf4
-HF_TESTS := tests/models/test_config.py tests/models/test_hf_io.py tests/models/test_hf_parity.py
+HF_TESTS := tests/models/test_config.py tests/models/test_hf_parity.py  # the files that check against transformers
 
 $(HF4)/.installed: | $(VENV)/.dev
 	$(BIN)/python -m pip install --quiet --no-deps --target $(HF4) \
