@@ -35,6 +35,7 @@ from sao_jax.models.sharding import DEFAULT_RULES, LogicalRules, logical_to_spec
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MODEL_KINDS = {"policy": Policy, "critic": Critic}
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # transformers 5.x's in-memory names
 
 
 class CheckpointError(ValueError):
@@ -194,6 +195,12 @@ def from_pretrained(
                 if spec is None:
                     if _ignored(name, config):
                         continue
+                    if name.endswith(FUSED_EXPERTS):
+                        raise CheckpointError(
+                            f"tensor {name!r} in {file.name} holds all of a layer's experts, as transformers 5.x "
+                            "saves with save_pretrained(save_original_format=False); sao_jax reads one tensor "
+                            "per expert, the default save_original_format=True"
+                        )
                     raise CheckpointError(
                         f"unexpected tensor {name!r} in {file.name}: not part of a {config.model_type} "
                         f"{kind} with this config.json"

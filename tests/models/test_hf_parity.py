@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sao_jax.models import ModelConfig, from_pretrained, param_count, save_pretrained
+from sao_jax.models import CheckpointError, ModelConfig, from_pretrained, param_count, save_pretrained
 from tests.models.hf_cases import CASES, HF_SHARDED
 
 torch = pytest.importorskip("torch")
@@ -145,3 +145,15 @@ def test_bfloat16_checkpoints_round_trip_through_transformers(name, tmp_path):
     assert sorted(restored) == sorted(original)
     for key, tensor in original.items():  # GLM's router loads as float32 (transformers keeps it so): same values
         torch.testing.assert_close(restored[key].to(tensor.dtype), tensor, rtol=0, atol=0, msg=key)
+
+
+def test_fused_expert_tensors_are_named_with_the_way_to_save_them(tmp_path):
+    """transformers 5.x can save its in-memory layout (a layer's experts in one gate_up_proj tensor)."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x has no fused expert layout")
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**CASES["glm4_moe_tied"]))
+    hf_model.save_pretrained(tmp_path, save_original_format=False)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.(gate_up|down)_proj' .*"
+                       r"save_original_format=False"):
+        from_pretrained(tmp_path)
