@@ -1,8 +1,9 @@
 """Model configuration: one frozen dataclass for the Qwen3-MoE and GLM-4.5-MoE decoder families.
 
 `ModelConfig` names what the decoder needs in our words; `from_hf` / `to_hf` translate from and to
-the `config.json` of a Hugging Face checkpoint (`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM`, as in
-transformers 4.57.1). The two families differ only by data here:
+the `config.json` of a Hugging Face checkpoint (`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM`) as
+transformers 4.x and 5.x write it (docs/hf_config.md: every key, both spellings, the defaults).
+The two families differ only by data here:
 
 | feature                  | Qwen3-MoE                         | GLM-4.5-MoE                              |
 |--------------------------|-----------------------------------|------------------------------------------|
@@ -184,44 +185,58 @@ class ModelConfig:
     def from_hf(cls, hf: dict[str, Any], **overrides) -> ModelConfig:
         """Our config from a Hugging Face `config.json` dict; `overrides` set our own fields (dtype, ...).
 
-        Keys missing from `hf` take the defaults of the transformers 4.57.1 config class.
+        Reads the spellings of both transformers generations (4.x: `num_experts`, `rope_theta`;
+        5.x: `num_local_experts`, `rope_parameters.rope_theta`, ...). A key absent in every spelling
+        takes the default of the config class of the transformers that wrote the file
+        (`transformers_version`: 4.x or 5.x), except the keys that set shapes, which have no
+        default (the class defaults are one published model's sizes). Without a known
+        `transformers_version` an absent key is an error naming it. docs/hf_config.md lists every
+        key read, its spellings and defaults.
         """
         model_type = hf.get("model_type")
         if model_type not in _FAMILIES:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r} in config.json; supported: {sorted(_FAMILIES)}"
             )
-        hf = {**_FAMILIES[model_type].defaults, **hf}
-        if hf["hidden_act"] != "silu":
-            raise ModelConfigError(f"config.json hidden_act={hf['hidden_act']!r} is not supported (only 'silu')")
-        if hf.get("rope_scaling") is not None:
-            raise ModelConfigError(f"config.json rope_scaling={hf['rope_scaling']!r} is not supported (only None)")
-        if hf.get("use_sliding_window"):
-            raise ModelConfigError("config.json use_sliding_window=true is not supported")
+        read = _Reader(hf, _FAMILIES[model_type].keys)
+        if read("hidden_act") != "silu":
+            raise ModelConfigError(f"config.json hidden_act={read('hidden_act')!r} is not supported (only 'silu')")
+        scaling = hf.get("rope_scaling")
+        untyped_scaling = bool(scaling) and not (isinstance(scaling, dict) and {"rope_type", "type"} & set(scaling))
+        if read("rope_type") != "default" or untyped_scaling:
+            rope = {key: hf[key] for key in ("rope_scaling", "rope_parameters") if hf.get(key) is not None}
+            raise ModelConfigError(f"config.json RoPE {rope} is not supported (only rope_type 'default')")
         common = dict(
             model_type=model_type,
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=hf["num_attention_heads"],
-            num_kv_heads=hf["num_key_value_heads"],
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            intermediate_size=hf["intermediate_size"],
-            rope_theta=float(hf["rope_theta"]),
-            rms_norm_eps=float(hf["rms_norm_eps"]),
-            tie_word_embeddings=bool(hf["tie_word_embeddings"]),
-            max_position_embeddings=hf["max_position_embeddings"],
-            initializer_range=float(hf["initializer_range"]),
-            attention_bias=bool(hf["attention_bias"]),
-            moe_intermediate_size=hf["moe_intermediate_size"],
-            num_experts_per_token=hf["num_experts_per_tok"],
-            norm_topk_prob=bool(hf["norm_topk_prob"]),
+            vocab_size=read("vocab_size"),
+            hidden_size=read("hidden_size"),
+            num_layers=read("num_hidden_layers"),
+            num_heads=read("num_attention_heads"),
+            num_kv_heads=read("num_key_value_heads"),
+            head_dim=read("head_dim") or read("hidden_size") // read("num_attention_heads"),
+            intermediate_size=read("intermediate_size"),
+            rope_theta=float(read("rope_theta")),
+            rms_norm_eps=float(read("rms_norm_eps")),
+            tie_word_embeddings=bool(read("tie_word_embeddings")),
+            max_position_embeddings=read("max_position_embeddings"),
+            initializer_range=float(read("initializer_range")),
+            attention_bias=bool(read("attention_bias")),
+            moe_intermediate_size=read("moe_intermediate_size"),
+            num_experts_per_token=read("num_experts_per_tok"),
+            norm_topk_prob=bool(read("norm_topk_prob")),
         )
-        return cls(**common, **_FAMILIES[model_type].from_hf(hf)).replace(**overrides)
+        return cls(**common, **_FAMILIES[model_type].from_hf(read)).replace(**overrides)
 
     def to_hf(self) -> dict[str, Any]:
-        """The Hugging Face `config.json` dict (with `architectures`) that transformers 4.57.1 loads."""
+        """The Hugging Face `config.json` dict (with `architectures`) that transformers 4.57 and 5.x
+        load to the same model: where the generations spell a key differently (`rope_theta` /
+        `rope_parameters`, `torch_dtype` / `dtype`, `num_experts` / `num_local_experts`), it
+        holds both spellings."""
         family = _FAMILIES[self.model_type]
+        family_keys = family.to_hf(self)
+        rope_parameters = dict(rope_type="default", rope_theta=self.rope_theta)
+        if "partial_rotary_factor" in family_keys:
+            rope_parameters["partial_rotary_factor"] = family_keys["partial_rotary_factor"]
         hf = dict(
             architectures=[family.architecture],
             model_type=self.model_type,
@@ -235,6 +250,7 @@ class ModelConfig:
             hidden_act="silu",
             rope_theta=self.rope_theta,
             rope_scaling=None,
+            rope_parameters=rope_parameters,
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
             max_position_embeddings=self.max_position_embeddings,
@@ -244,8 +260,9 @@ class ModelConfig:
             num_experts_per_tok=self.num_experts_per_token,
             norm_topk_prob=self.norm_topk_prob,
             torch_dtype=self.param_dtype,
+            dtype=self.param_dtype,
         )
-        return {**hf, **family.to_hf(self)}
+        return {**hf, **family_keys}
 
 
 def _check_choice(name: str, value: str, choices) -> None:
@@ -268,26 +285,103 @@ def _require(config: ModelConfig, model_type: str, **expected) -> None:
             )
 
 
-# --- the two families: defaults of the transformers 4.57.1 config classes, and field translation ---
+# --- reading config.json: every key, its spellings in transformers 4.x and 5.x, its default -----
+
+_REQUIRED = "required"  # no default: the key sets a shape, and the config classes' defaults are a published model's
+_WRITERS = ("4", "5")  # major versions of transformers whose config classes' defaults `_Key` holds
+
+
+@dataclasses.dataclass(frozen=True)
+class _Key:
+    """A quantity of config.json: its spellings (4.x's first; "a.b" is key b of the dict at key a)
+    and its default when every spelling is absent or null — one value when the config classes of
+    transformers 4.57.1 and 5.24.0 agree, {"4": ..., "5": ...} when they differ, or _REQUIRED."""
+
+    spellings: tuple[str, ...]
+    default: Any = _REQUIRED
+
+
+def _keys(rms_norm_eps, max_position_embeddings, norm_topk_prob, **family) -> dict[str, _Key]:
+    """Both families' keys (with the family's class defaults) and `family`'s own."""
+    keys = dict(
+        vocab_size=_Key(("vocab_size",)),
+        hidden_size=_Key(("hidden_size",)),
+        num_hidden_layers=_Key(("num_hidden_layers",)),
+        num_attention_heads=_Key(("num_attention_heads",)),
+        num_key_value_heads=_Key(("num_key_value_heads",)),
+        head_dim=_Key(("head_dim",), None),  # absent: hidden_size // num_attention_heads, as the modeling code
+        intermediate_size=_Key(("intermediate_size",)),
+        moe_intermediate_size=_Key(("moe_intermediate_size",)),
+        num_experts_per_tok=_Key(("num_experts_per_tok",)),
+        hidden_act=_Key(("hidden_act",), "silu"),
+        rope_theta=_Key(("rope_theta", "rope_parameters.rope_theta"), 10000.0),
+        rope_type=_Key(("rope_scaling.rope_type", "rope_scaling.type", "rope_parameters.rope_type"), "default"),
+        rms_norm_eps=_Key(("rms_norm_eps",), rms_norm_eps),
+        tie_word_embeddings=_Key(("tie_word_embeddings",), False),
+        max_position_embeddings=_Key(("max_position_embeddings",), max_position_embeddings),
+        initializer_range=_Key(("initializer_range",), 0.02),
+        attention_bias=_Key(("attention_bias",), False),
+        norm_topk_prob=_Key(("norm_topk_prob",), norm_topk_prob),
+    )
+    return {**keys, **family}
+
+
+class _Reader:
+    """`read(name)`: the value of key `name` of a config.json dict, in whichever spelling it has."""
+
+    def __init__(self, hf: dict[str, Any], keys: dict[str, _Key]):
+        self.hf, self.keys = hf, keys
+        self.version = hf.get("transformers_version")
+        self.writer = None if self.version is None else str(self.version).split(".")[0]
+
+    def _lookup(self, spelling: str):
+        value = self.hf
+        for part in spelling.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        return value
+
+    def __call__(self, name: str):
+        key = self.keys[name]
+        found = {spelling: value for spelling in key.spellings if (value := self._lookup(spelling)) is not None}
+        values = list(found.values())
+        if any(value != values[0] for value in values):
+            given = " and ".join(f"{spelling}={value!r}" for spelling, value in found.items())
+            raise ModelConfigError(f"config.json gives {given}: they must agree")
+        if values:
+            return values[0]
+        named = " or ".join(repr(spelling) for spelling in key.spellings)
+        if key.default is _REQUIRED:
+            raise ModelConfigError(f"config.json has no {named}: it sets the model's shapes and has no default")
+        if self.writer in _WRITERS:
+            return key.default[self.writer] if isinstance(key.default, dict) else key.default
+        writer = "no transformers_version" if self.version is None else f"transformers_version {self.version!r}"
+        raise ModelConfigError(
+            f"config.json has no {named}, and {writer} says whose default to take (known: 4.x, 5.x)"
+        )
+
+
+# --- the two families: their keys and the translation to and from our fields ---------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
     architecture: str
-    defaults: dict[str, Any]
-    from_hf: Any  # hf dict (with defaults) -> our family-specific fields
+    keys: dict[str, _Key]
+    from_hf: Any  # read (a _Reader) -> our family-specific fields
     to_hf: Any  # ModelConfig -> family-specific hf keys
 
 
-def _qwen3_moe_from_hf(hf):
+def _qwen3_moe_from_hf(read):
+    if read("use_sliding_window"):
+        raise ModelConfigError("config.json use_sliding_window=true is not supported")
     return dict(
-        num_experts=hf["num_experts"],
+        num_experts=read("num_experts"),
         router_scoring="softmax",
         qk_norm=True,
-        o_proj_bias=bool(hf["attention_bias"]),
-        dense_layers=tuple(hf["mlp_only_layers"] or ()),
-        moe_layer_step=hf["decoder_sparse_step"],
-        router_aux_loss_coef=float(hf["router_aux_loss_coef"]),
+        o_proj_bias=bool(read("attention_bias")),
+        dense_layers=tuple(read("mlp_only_layers")),
+        moe_layer_step=read("decoder_sparse_step"),
+        router_aux_loss_coef=float(read("router_aux_loss_coef")),
     )
 
 
@@ -299,6 +393,7 @@ def _qwen3_moe_to_hf(c: ModelConfig):
     )  # fmt: skip
     return dict(
         num_experts=c.num_experts,
+        num_local_experts=c.num_experts,
         mlp_only_layers=list(c.dense_layers),
         decoder_sparse_step=c.moe_layer_step,
         router_aux_loss_coef=c.router_aux_loss_coef,
@@ -306,20 +401,20 @@ def _qwen3_moe_to_hf(c: ModelConfig):
     )
 
 
-def _glm4_moe_from_hf(hf):
+def _glm4_moe_from_hf(read):
     return dict(
-        num_experts=hf["n_routed_experts"],
+        num_experts=read("n_routed_experts"),
         router_scoring="sigmoid",
         router_correction_bias=True,
-        num_shared_experts=hf["n_shared_experts"],
-        routed_scaling_factor=float(hf["routed_scaling_factor"]),
-        num_expert_groups=hf["n_group"],
-        num_selected_groups=hf["topk_group"],
-        first_dense_layers=hf["first_k_dense_replace"],
-        partial_rotary_factor=float(hf["partial_rotary_factor"]),
-        qk_norm=bool(hf["use_qk_norm"]),
+        num_shared_experts=read("n_shared_experts"),
+        routed_scaling_factor=float(read("routed_scaling_factor")),
+        num_expert_groups=read("n_group"),
+        num_selected_groups=read("topk_group"),
+        first_dense_layers=read("first_k_dense_replace"),
+        partial_rotary_factor=float(read("partial_rotary_factor")),
+        qk_norm=bool(read("use_qk_norm")),
         o_proj_bias=False,
-        num_mtp_layers=hf.get("num_nextn_predict_layers", 0),
+        num_mtp_layers=read("num_nextn_predict_layers"),
     )
 
 
@@ -346,27 +441,31 @@ def _glm4_moe_to_hf(c: ModelConfig):
 _FAMILIES = {
     "qwen3_moe": _Family(
         architecture="Qwen3MoeForCausalLM",
-        defaults=dict(
-            vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-            num_attention_heads=32, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768,
-            initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-            rope_scaling=None, attention_bias=False, use_sliding_window=False, decoder_sparse_step=1,
-            moe_intermediate_size=768, num_experts_per_tok=8, num_experts=128, norm_topk_prob=False,
-            router_aux_loss_coef=0.001, mlp_only_layers=None,
+        keys=_keys(
+            rms_norm_eps=1e-6, max_position_embeddings=32768, norm_topk_prob=False,
+            num_experts=_Key(("num_experts", "num_local_experts")),
+            use_sliding_window=_Key(("use_sliding_window",), False),
+            mlp_only_layers=_Key(("mlp_only_layers",), []),
+            decoder_sparse_step=_Key(("decoder_sparse_step",), 1),
+            router_aux_loss_coef=_Key(("router_aux_loss_coef",), 0.001),
         ),  # fmt: skip
         from_hf=_qwen3_moe_from_hf,
         to_hf=_qwen3_moe_to_hf,
     ),
     "glm4_moe": _Family(
         architecture="Glm4MoeForCausalLM",
-        defaults=dict(
-            vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
-            num_attention_heads=96, partial_rotary_factor=0.5, num_key_value_heads=8, hidden_act="silu",
-            max_position_embeddings=131072, initializer_range=0.02, rms_norm_eps=1e-5,
-            tie_word_embeddings=False, rope_theta=10000.0, rope_scaling=None, attention_bias=False,
-            moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=128,
-            routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
-            use_qk_norm=False,
+        keys=_keys(
+            rms_norm_eps=1e-5, max_position_embeddings=131072, norm_topk_prob=True,
+            n_routed_experts=_Key(("n_routed_experts", "num_local_experts")),
+            n_shared_experts=_Key(("n_shared_experts",)),
+            first_k_dense_replace=_Key(("first_k_dense_replace",)),
+            routed_scaling_factor=_Key(("routed_scaling_factor",), 1.0),
+            n_group=_Key(("n_group",), 1),
+            topk_group=_Key(("topk_group",), 1),
+            partial_rotary_factor=_Key(("partial_rotary_factor", "rope_parameters.partial_rotary_factor"), 0.5),
+            use_qk_norm=_Key(("use_qk_norm",), False),
+            # 4.x has no such field (and skips the MTP layers' tensors); 5.x's num_mtp_layers defaults to 1
+            num_nextn_predict_layers=_Key(("num_nextn_predict_layers", "num_mtp_layers"), {"4": 0, "5": 1}),
         ),  # fmt: skip
         from_hf=_glm4_moe_from_hf,
         to_hf=_glm4_moe_to_hf,

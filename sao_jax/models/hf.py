@@ -1,10 +1,11 @@
 """Hugging Face checkpoints in and out: `from_pretrained` and `save_pretrained`.
 
 A checkpoint folder holds `config.json` and either `model.safetensors` or shards listed in
-`model.safetensors.index.json`, in the layout of transformers 4.57.1 (`Qwen3MoeForCausalLM`,
-`Glm4MoeForCausalLM`): one tensor per expert (`model.layers.3.mlp.experts.7.gate_proj.weight`) and
-Linear weights stored [out, in]. Our parameters keep heads and experts as their own axes and store
-kernels [in, out]; `hf_tensor_specs` is the one table that relates the two.
+`model.safetensors.index.json`, in the layout that transformers 4.x and 5.x both write
+(`Qwen3MoeForCausalLM`, `Glm4MoeForCausalLM`): one tensor per expert
+(`model.layers.3.mlp.experts.7.gate_proj.weight`; 5.x fuses a layer's experts in memory and splits
+them on save) and Linear weights stored [out, in]. Our parameters keep heads and experts as their
+own axes and store kernels [in, out]; `hf_tensor_specs` is the one table that relates the two.
 
 Loading reads shard by shard with `safe_open`, converts each tensor into its slot of a host buffer
 and moves a parameter to the device as soon as all its tensors (all experts) have arrived, so the
@@ -34,6 +35,7 @@ from sao_jax.models.sharding import DEFAULT_RULES, LogicalRules, logical_to_spec
 SAFETENSORS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
 MODEL_KINDS = {"policy": Policy, "critic": Critic}
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # transformers 5.x's in-memory names
 
 
 class CheckpointError(ValueError):
@@ -193,6 +195,12 @@ def from_pretrained(
                 if spec is None:
                     if _ignored(name, config):
                         continue
+                    if name.endswith(FUSED_EXPERTS):
+                        raise CheckpointError(
+                            f"tensor {name!r} in {file.name} holds all of a layer's experts, as transformers 5.x "
+                            "saves with save_pretrained(save_original_format=False); sao_jax reads one tensor "
+                            "per expert, the default save_original_format=True"
+                        )
                     raise CheckpointError(
                         f"unexpected tensor {name!r} in {file.name}: not part of a {config.model_type} "
                         f"{kind} with this config.json"
@@ -228,8 +236,8 @@ def from_pretrained(
 
 
 def save_pretrained(model: Policy, path, *, max_shard_bytes: int = 5 * 2**30) -> None:
-    """Write `model` as a Hugging Face folder (config.json + safetensors) that transformers 4.57.1
-    `AutoModelForCausalLM.from_pretrained` loads. Tensors are split into shards of at most
+    """Write `model` as a Hugging Face folder (config.json + safetensors) that transformers 4.57
+    and 5.x `AutoModelForCausalLM.from_pretrained` load. Tensors are split into shards of at most
     `max_shard_bytes` (a larger single tensor gets a shard of its own) listed in
     `model.safetensors.index.json`; a single shard is written as `model.safetensors`."""
     if not isinstance(model, Policy):

@@ -155,7 +155,8 @@ def test_bfloat16_parameters_round_trip(saved_glm, tmp_path):
     policy = from_pretrained(saved_glm, dtype=jnp.bfloat16)
     assert policy.layers[1].mlp.experts.gate_proj[...].dtype == jnp.bfloat16
     save_pretrained(policy, tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert written["torch_dtype"] == written["dtype"] == "bfloat16"  # 4.x's and 5.x's spelling
     again = from_pretrained(tmp_path, dtype=jnp.bfloat16)
     np.testing.assert_array_equal(
         np.asarray(again.layers[1].mlp.experts.gate_proj[...], np.float32),

@@ -1,4 +1,5 @@
-"""Our decoder against transformers 4.57.1 (torch, CPU, float32) on tiny random Qwen3-MoE / GLM-4.5-MoE.
+"""Our decoder against the installed transformers (torch, CPU, float32) on tiny random Qwen3-MoE / GLM-4.5-MoE
+(`hf_cases.py`; the suite pins a 5.x, `make test-hf4` runs this file with 4.57.1).
 
 Each case builds a randomly initialised HF model from a config dict (random norm weights, biases and
 GLM routing-correction biases, so nothing is at its neutral value), saves it, loads it with
@@ -14,46 +15,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sao_jax.models import ModelConfig, from_pretrained, param_count, save_pretrained
+from sao_jax.models import CheckpointError, ModelConfig, from_pretrained, param_count, save_pretrained
+from tests.models.hf_cases import CASES, HF_SHARDED
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.slow
-
-COMMON = dict(
-    vocab_size=101, hidden_size=48, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=16, moe_intermediate_size=24, rope_theta=10000.0, initializer_range=0.1,
-    max_position_embeddings=64,
-)  # fmt: skip
-
-CASES = {
-    # layer 0 dense (mlp_only_layers), layers 1-2 MoE, untied head; HF writes shards.
-    "qwen3_moe_untied": dict(
-        COMMON, model_type="qwen3_moe", num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
-        norm_topk_prob=True, mlp_only_layers=[0], tie_word_embeddings=False, rms_norm_eps=1e-6,
-    ),  # fmt: skip
-    # decoder_sparse_step=2: only layer 1 is MoE; top-3 without renormalisation; q/k/v/o biases; tied.
-    "qwen3_moe_tied_bias": dict(
-        COMMON, model_type="qwen3_moe", num_hidden_layers=3, num_experts=6, num_experts_per_tok=3,
-        norm_topk_prob=False, decoder_sparse_step=2, attention_bias=True, tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-    ),  # fmt: skip
-    # group-limited sigmoid routing (4 groups, keep 2), shared expert, partial rotary, q/k norm, bias.
-    "glm4_moe_groups": dict(
-        COMMON, model_type="glm4_moe", num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
-        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, partial_rotary_factor=0.5,
-        use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5, norm_topk_prob=True,
-        tie_word_embeddings=False, rms_norm_eps=1e-5,
-    ),  # fmt: skip
-    # no q/k norm, no renormalisation, two shared experts, tied head.
-    "glm4_moe_tied": dict(
-        COMMON, model_type="glm4_moe", num_hidden_layers=2, n_routed_experts=4, num_experts_per_tok=2,
-        n_shared_experts=2, first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=False,
-        attention_bias=True, norm_topk_prob=False, tie_word_embeddings=True, rms_norm_eps=1e-5,
-    ),  # fmt: skip
-}
-HF_SHARDED = {"qwen3_moe_untied", "glm4_moe_groups"}  # transformers writes these as several shards
 
 BATCH, TIME = 3, 9
 # row 0: no padding; row 1: 3 padding tokens on the right; row 2: 2 on the left
@@ -146,7 +114,46 @@ def test_save_pretrained_round_trips_through_transformers(case, tmp_path):
 
 def test_param_count_matches_transformers(case):
     name, hf_model, _, policy, *_ = case
-    config = ModelConfig.from_hf(CASES[name])
+    config = ModelConfig.from_hf(hf_model.config.to_dict())
     assert param_count(config) == hf_model.num_parameters()
     ours = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(policy, nnx.Param)))
     assert ours == hf_model.num_parameters()
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_untied", "glm4_moe_tied"])
+def test_bfloat16_checkpoints_round_trip_through_transformers(name, tmp_path):
+    """A bfloat16 model saved by transformers (sharded) loads as bfloat16 parameters holding the same
+    bits; saved back (sharded), transformers reads it as bfloat16 with every tensor unchanged."""
+    hf_config = transformers.AutoConfig.for_model(**CASES[name])
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(hf_config).eval()
+    _randomize(hf_model, seed=1)
+    hf_model = hf_model.to(torch.bfloat16)
+    hf_model.save_pretrained(tmp_path / "hf", max_shard_size="20KB")
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    policy = from_pretrained(tmp_path / "hf", dtype=jnp.bfloat16)
+    assert policy.embed.embedding[...].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(  # the same bits, not just close
+        np.asarray(policy.embed.embedding[...]).view(np.uint16),
+        hf_model.model.embed_tokens.weight.detach().view(torch.int16).numpy().view(np.uint16),
+    )
+    save_pretrained(policy, tmp_path / "ours", max_shard_bytes=20_000)
+    assert (tmp_path / "ours" / "model.safetensors.index.json").exists()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype="auto")
+    assert reloaded.dtype == torch.bfloat16
+    original, restored = hf_model.state_dict(), reloaded.state_dict()
+    assert sorted(restored) == sorted(original)
+    for key, tensor in original.items():  # GLM's router loads as float32 (transformers keeps it so): same values
+        torch.testing.assert_close(restored[key].to(tensor.dtype), tensor, rtol=0, atol=0, msg=key)
+
+
+def test_fused_expert_tensors_are_named_with_the_way_to_save_them(tmp_path):
+    """transformers 5.x can save its in-memory layout (a layer's experts in one gate_up_proj tensor)."""
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4.x has no fused expert layout")
+    torch.manual_seed(0)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**CASES["glm4_moe_tied"]))
+    hf_model.save_pretrained(tmp_path, save_original_format=False)
+    with pytest.raises(CheckpointError, match=r"'model\.layers\.1\.mlp\.experts\.(gate_up|down)_proj' .*"
+                       r"save_original_format=False"):
+        from_pretrained(tmp_path)
