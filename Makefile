@@ -38,6 +38,7 @@ HF_TESTS := tests/models/test_config.py tests/models/test_hf_parity.py  # the fi
 $(HF4)/.installed: | $(VENV)/.dev
 	$(BIN)/python -m pip install --quiet --no-deps --target $(HF4) \
 		transformers==4.57.1 huggingface_hub==0.36.2 tokenizers==0.22.2
+	$(BIN)/python -m pip install --quiet --target $(HF4) requests  # huggingface_hub 0.x needs it; 1.x does not
 	touch $@
 
 train: $(VENV)/.runtime
