@@ -18,6 +18,7 @@ from typing import Any
 
 import yaml
 
+from sao_jax.advantages import ADVANTAGE_ESTIMATORS
 from sao_jax.optim import CRITIC_FROZEN_ATTENTION_TRAINABLE
 
 
@@ -50,8 +51,6 @@ class AdvantageConfig:
                if not 0.0 <= v <= 1.0]
         if self.running_mean_scope not in ("per_prompt", "global"):
             out.append(("running_mean_scope", f"must be per_prompt or global (got {self.running_mean_scope!r})"))
-        from sao_jax.train.steps import ADVANTAGE_ESTIMATORS  # the table the trainer looks names up in
-
         if self.estimator not in ADVANTAGE_ESTIMATORS:
             close = difflib.get_close_matches(self.estimator, ADVANTAGE_ESTIMATORS, n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
@@ -112,6 +111,11 @@ class CriticConfig:
     pretrain_rollouts: int = 256  # value-pretraining corpus size ("scaled value pretraining" = more)
     pretrain_epochs: int = 4
     pretrain_lr: float = 1e-3
+    # What value pretraining trains. None: `trainable_patterns`, the RL set: the critic's attention stays
+    # the policy's from its initialisation on, its frozen leaves hold no optimizer state in pretraining
+    # either (a critic that fits RL's memory fits pretraining's), and the "w/o frozen attention" ablation
+    # pretrains everything too. `[".*"]`: every parameter trains in pretraining, the RL set after it.
+    pretrain_trainable_patterns: tuple[str, ...] | None = None
 
     def problems(self) -> list[tuple[str, str]]:
         k = self.updates_per_policy_update

@@ -29,7 +29,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from sao_jax import models
-from sao_jax.advantages import unassigned_reward
+from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, abstract_state
 from sao_jax.config import Config, to_dict
 from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
@@ -282,17 +282,15 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     consumed (its buffers are donated)."""
     config = run.config
     cfg = config.critic
-    critic_free = steps_lib.ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
+    critic_free = ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
     if cfg.pretrain_rollouts == 0 or critic_free:  # critic-free baselines never read the critic
         return run.cluster.place(state.replace(critic_opt_state=critic_tx.init(state.critic_params)))
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, _VALUE_PRETRAIN])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.pretrain_rollouts)]
     corpus, failed = usable(rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1)))
-    # All critic parameters train here (ours): the freeze applies to RL, where the paper reports it.
-    tx = steps_lib.guard_nonfinite(adamw(cfg.pretrain_lr))
-    value_update = run.cluster.step(
-        jax.jit(steps_lib.sequence(steps_lib.make_value_update(graphs, tx, config)), donate_argnums=0))
+    tx, value_update = value_pretraining_update(graphs, config)
+    value_update = run.cluster.step(value_update)
     pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
     batch_size = config.train.batch_size
     for epoch in tqdm(range(cfg.pretrain_epochs), desc="value pretraining", leave=False):
@@ -308,18 +306,26 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     return run.cluster.place(pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params)))
 
 
+def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
+    """(optimizer, jitted value update) of value pretraining: `critic.pretrain_lr`, on the leaves of
+    `critic.pretrain_trainable_patterns` (None: `critic.trainable_patterns`, as in RL)."""
+    cfg = config.critic
+    trainable = cfg.trainable_patterns if cfg.pretrain_trainable_patterns is None else cfg.pretrain_trainable_patterns
+    tx = steps_lib.guard_nonfinite(train_only(adamw(cfg.pretrain_lr), trainable))
+    update = steps_lib.make_value_update(graphs, tx, config, trainable)
+    return tx, jax.jit(steps_lib.sequence(update), donate_argnums=0)
+
+
 def make_optimizers(config: Config):
-    policy_tx = steps_lib.guard_nonfinite(
-        adamw(config.policy.optimizer.lr, max_grad_norm=config.policy.optimizer.max_grad_norm,
-              weight_decay=config.policy.optimizer.weight_decay)  # fmt: skip
-    )
-    critic_tx = steps_lib.guard_nonfinite(
-        train_only(
-            adamw(config.critic.optimizer.lr, max_grad_norm=config.critic.optimizer.max_grad_norm,
-                  weight_decay=config.critic.optimizer.weight_decay),  # fmt: skip
-            config.critic.trainable_patterns,
-        )
-    )
+    """(policy, critic) optimizers of RL: AdamW with a linear warmup over `optimizer.warmup_steps`
+    updates (the critic makes K a step), the critic's on `critic.trainable_patterns` only."""
+
+    def optimizer(cfg):
+        lr = learning_rate_schedule(cfg.lr, warmup_steps=cfg.warmup_steps)
+        return adamw(lr, max_grad_norm=cfg.max_grad_norm, weight_decay=cfg.weight_decay)
+
+    policy_tx = steps_lib.guard_nonfinite(optimizer(config.policy.optimizer))
+    critic_tx = steps_lib.guard_nonfinite(train_only(optimizer(config.critic.optimizer), config.critic.trainable_patterns))
     return policy_tx, critic_tx
 
 
@@ -531,7 +537,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
     weights = policy_weights(state, graphs)
     source = (StreamingBatches(run, rollout_loop, weights, start_step) if cfg.mode == "async"
               else LockstepBatches(run, rollout_loop))  # fmt: skip
-    reads_reference = steps_lib.ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
+    reads_reference = ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
     schedule = run.env_kwargs.get("schedule")  # style_shift's target-style schedule, moved per step
 
     def gold_tokens(trajectory: Trajectory):
