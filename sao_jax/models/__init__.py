@@ -3,6 +3,7 @@
 from sao_jax.models.config import (
     ModelConfig,
     ModelConfigError,
+    PRESETS,
     cpu_moe,
     glm45_air,
     param_count,
@@ -21,6 +22,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "ModelConfigError",
+    "PRESETS",
     "Policy",
     "compute_dtype_weights",
     "cpu_moe",

@@ -119,7 +119,7 @@ def build_run(config: Config) -> Run:
                              f"more than the model's vocab_size {policy.config.vocab_size}")
     else:
         tokenizer, chat_format = CharTokenizer(), None
-        preset = getattr(models, model.preset)
+        preset = models.PRESETS[model.preset]
 
         def make_policy():
             return models.Policy(preset(vocab_size=tokenizer.vocab_size, **overrides), rngs=nnx.Rngs(config.seed))
