@@ -529,6 +529,14 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     return {"step": step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), policy_weights(state, graphs))}
 
 
+def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
+    """What RL step `step` (1-based) does: (critic-only warmup, evaluate after it, checkpoint after it)."""
+    cfg = config.train
+    last = step == cfg.steps
+    return (step <= config.critic.warmup_steps, step % cfg.eval_every == 0 or last,
+            step % cfg.checkpoint_every == 0 or last)  # fmt: skip
+
+
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int):
     config = run.config
     cfg = config.train
@@ -563,20 +571,20 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             lost = float(np.abs(unassigned_reward(batch.rewards, batch.action_mask)).sum())
             if lost > 0:
                 raise RuntimeError(f"step {step}: reward {lost} sits before the first action token and cannot be credited")
-            warmup = step <= config.critic.warmup_steps
+            warmup, evaluates, checkpoints = rl_schedule(config, step)
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
             line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls),
                     **style_metrics(kept, schedule), **source_metrics, **jax.device_get(metrics),
                     "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if evaluates:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))
                 last_eval = line["eval/success_rate"]
             written = writer.write(step, line)
             bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
                             eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if checkpoints:
                 checkpointer.save(step, state, {"step": step})
     finally:
         source.close()
