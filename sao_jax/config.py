@@ -20,14 +20,10 @@ import yaml
 
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS
 from sao_jax.envs import ENVIRONMENTS
+from sao_jax.errors import UserError
 from sao_jax.losses import POLICY_LOSSES
 from sao_jax.models.config import ATTENTIONS, DTYPES, MOE_DISPATCHES, PRESETS
 from sao_jax.optim import CRITIC_FROZEN_ATTENTION_TRAINABLE
-
-
-class UserError(Exception):
-    """A mistake in what the user asked for (a config, a file, a folder), not a bug: the command line
-    prints `error: <message>` as one line and exits 2. The message says what, where, and which key or file."""
 
 
 class ConfigError(UserError, ValueError):
@@ -366,7 +362,11 @@ def load_config(
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
-        _set_dotted(raw, key.strip().split("."), yaml.safe_load(text))
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"the value of override {item!r} is not valid YAML ({_yaml_problem(e)})") from None
+        _set_dotted(raw, key.strip().split("."), value)
     return _build(schema(), raw, prefix="", source=source)
 
 
@@ -381,7 +381,10 @@ def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise ConfigError(f"config base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML ({_yaml_problem(e)}) ({path})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     base = data.pop("base", None)
@@ -390,6 +393,13 @@ def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     merged = _read_with_bases(path.parent / base, seen=(*seen, path))
     _deep_update(merged, data)
     return merged
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in a few words, with the line and column where it was found."""
+    problem = getattr(error, "problem", None) or type(error).__name__
+    mark = getattr(error, "problem_mark", None)
+    return problem if mark is None else f"{problem}, line {mark.line + 1} column {mark.column + 1}"
 
 
 def _deep_update(into: dict[str, Any], new: Mapping[str, Any]) -> None:

@@ -12,7 +12,7 @@ from sao_jax.models.config import (
     tiny_qwen3_moe,
 )
 from sao_jax.models.decoder import Critic, Decoder, Policy, compute_dtype_weights
-from sao_jax.models.hf import CheckpointError, from_pretrained, hf_tensor_specs, save_pretrained
+from sao_jax.models.hf import CheckpointError, from_pretrained, hf_tensor_specs, read_hf_config, save_pretrained
 from sao_jax.models.layers import KVCache
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "hf_tensor_specs",
     "param_count",
     "qwen3_30b_a3b",
+    "read_hf_config",
     "save_pretrained",
     "tiny_glm4_moe",
     "tiny_qwen3_moe",

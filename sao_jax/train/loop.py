@@ -33,13 +33,13 @@ from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, abstract_state
 from sao_jax.config import Config, to_dict
 from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
-from sao_jax.data.datasets import read_prompts
+from sao_jax.data.datasets import DatasetError, read_prompts
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import Prompt, environment_class
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.models import sharding
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
-from sao_jax.outputs import OutputMirror, is_url, join
+from sao_jax.outputs import OutputMirror, check_writable, is_url, join
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
@@ -103,14 +103,16 @@ def build_run(config: Config) -> Run:
     uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set."""
     cluster = Cluster.for_config(config)
     env_cls = environment_class(config.env.name)
-    train_prompts = prompt_pool(config, env_cls, config.env.train_file, config.env.train_prompts, _RL)
-    eval_prompts = prompt_pool(config, env_cls, config.env.eval_file, config.env.eval_prompts, _EVAL)
+    env = config.env
+    train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, _RL, key="env.train_file")
+    eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, _EVAL, key="env.eval_file")
     model = config.model
     overrides = {name: value for name, value in
                  (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype),
                   ("attention", model.attention))
                  if value is not None} | ({"remat": True} if model.remat else {})  # fmt: skip
     if model.pretrained:
+        models.read_hf_config(model.pretrained)  # a missing folder or broken config.json: named before anything loads
         tokenizer = HFTokenizer.from_folder(model.pretrained)
         chat_format = ChatFormat.from_tokenizer(tokenizer)
         policy = models.from_pretrained(model.pretrained, mesh=cluster.mesh, **overrides)
@@ -132,11 +134,15 @@ def build_run(config: Config) -> Run:
                chat_format)  # fmt: skip
 
 
-def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int) -> list[Prompt]:
-    """The prompts of `file` (`read_prompts`), or `size` that the environment generates with the rng
-    (seed, stream). Each prompt's id becomes its index in the pool: per-prompt baselines key on it."""
+def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int, *, key: str) -> list[Prompt]:
+    """The prompts of `file` (`read_prompts`; its errors name the config `key`), or `size` that the
+    environment generates with the rng (seed, stream). Each prompt's id becomes its index in the pool:
+    per-prompt baselines key on it."""
     if file is not None:
-        prompts = read_prompts(file)
+        try:
+            prompts = read_prompts(file)
+        except DatasetError as e:
+            raise DatasetError(f"{e} ({key})") from None
     else:
         difficulty = list(config.env.difficulty) or None
         prompts = env_cls.generate_prompts(np.random.default_rng([config.seed, stream]), size, difficulty)
@@ -332,6 +338,9 @@ def make_optimizers(config: Config):
 def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     """Run the whole job; returns the final summary (also written to OUTDIR/summary.json). Run as
     several processes, each process does its part (`sao_jax.train.distributed`)."""
+    check_writable(config.output_dir, "output_dir")
+    if config.train.checkpoint_dir is not None:
+        check_writable(config.train.checkpoint_dir, "train.checkpoint_dir")
     # A URL output_dir is written through a local mirror, pushed after each checkpoint (sao_jax.outputs).
     mirror = OutputMirror.fresh(config.output_dir, jax.process_index()) if is_url(config.output_dir) else None
     out = Path(config.output_dir) if mirror is None else mirror.local
