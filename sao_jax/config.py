@@ -158,10 +158,11 @@ class CriticConfig:
     pretrain_rollouts: int = ranged(256, NON_NEGATIVE)
     pretrain_epochs: int = ranged(4, AT_LEAST_1)
     pretrain_lr: float = ranged(1e-3, POSITIVE)
-    # What value pretraining trains. None: `trainable_patterns`, the RL set: the critic's attention stays
-    # the policy's from its initialisation on, its frozen leaves hold no optimizer state in pretraining
-    # either (a critic that fits RL's memory fits pretraining's), and the "w/o frozen attention" ablation
-    # pretrains everything too. `[".*"]`: every parameter trains in pretraining, the RL set after it.
+    # What value pretraining trains. None (the default): `trainable_patterns`, the RL set. SAO's reason to
+    # freeze attention (§3.2: the policy's attention already reads the right tokens; the critic learns
+    # what to read out of them) holds before RL as much as during it, the results were measured so, and
+    # the "w/o frozen attention" ablation then pretrains every parameter too, changing one thing.
+    # `[".*"]`: every parameter trains in pretraining, the RL set after it.
     pretrain_trainable_patterns: tuple[str, ...] | None = None
 
     def problems(self) -> list[tuple[str, str]]:
