@@ -358,7 +358,7 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequ
 
 def critic_updates(value_update: Update, times: int, graphs: Graphs, config: Config) -> Update:
     """`repeat(value_update, times)`; with `loss.value_clip_eps` set, every update is clipped around
-    the values of the critic before the first (PPO's V_old: the critic the batch was collected with)."""
+    the values of the critic before the first (PPO's V_old: the values before any update on this batch)."""
     if config.loss.value_clip_eps is None:
         return repeat(value_update, times)
 
