@@ -82,10 +82,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.gae_demo:
         print(gae_demo(gamma=config.advantage.gamma, lam=config.advantage.lam_policy))
         return 0
-    from sao_jax.train.loop import train
+    from sao_jax.train.loop import summary_line, train
 
     summary = train(config, resume=args.resume)
     print(json.dumps(summary, indent=2))
+    print(summary_line(summary))
     print(f"metrics: {join(config.output_dir, 'metrics.jsonl')}   plots: {join(config.output_dir, 'plots')}")
     return 0
 

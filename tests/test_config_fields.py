@@ -203,8 +203,9 @@ for _section in ("policy", "critic"):
 ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "model.pretrained": "a Hugging Face folder to load (build_run): tests/train/test_real_inputs.py",
     **{f"sft.{name}": "the SFT stage (train.loop.run_sft): tests/train/test_sft.py, tests/train/test_loop_metrics.py"
-       for name in ("steps", "batch_size", "weak_demonstration_fraction", "optimizer.lr", "optimizer.weight_decay",
-                    "optimizer.max_grad_norm", "optimizer.warmup_steps", "cache_dir")},  # fmt: skip
+       for name in ("steps", "target_demonstration_probability", "check_every", "probe_prompts", "batch_size",
+                    "weak_demonstration_fraction", "optimizer.lr", "optimizer.weight_decay", "optimizer.max_grad_norm",
+                    "optimizer.warmup_steps", "cache_dir")},  # fmt: skip
     "critic.pretrain_rollouts": "value pretraining's corpus (run_value_pretraining): tests/train/test_multiprocess.py",
     "critic.pretrain_epochs": "value pretraining's epochs (run_value_pretraining): tests/train/test_multiprocess.py",
     "train.batch_size": "the rows each batch source collates (rl_loop): tests/train/test_groups_trace.py",

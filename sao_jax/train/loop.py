@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from sao_jax import models
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, abstract_state
-from sao_jax.config import Config, to_dict
+from sao_jax.config import Config, OptimizerConfig, to_dict
 from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
 from sao_jax.data.datasets import DatasetError, read_prompts
 from sao_jax.data.tokenizers import CharTokenizer
@@ -45,12 +45,12 @@ from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster, ProcessRollouts
-from sao_jax.train.sft import demonstration_trajectory, make_sft_update
+from sao_jax.train.sft import choice_mask, demonstration_trajectory, make_demonstration_probe, make_sft_update
 
 log = logging.getLogger(__name__)
 
 # Stream ids folded into the seed so each consumer of randomness has its own stream.
-_SFT, _VALUE_PRETRAIN, _RL, _EVAL, _INIT = range(5)
+_SFT, _VALUE_PRETRAIN, _RL, _EVAL, _INIT, _SFT_PROBE = range(6)
 
 
 @dataclasses.dataclass
@@ -251,35 +251,70 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
 
 
 def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list) -> Any:
-    """The SFT steps themselves; each metric line written is also appended to `lines`."""
+    """The SFT steps themselves, until the probe reaches its target or `sft.steps` (`SFTConfig`); each
+    metric line written is also appended to `lines`."""
     cfg = run.config.sft
     if cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
         raise ValueError(f"sft.weak_demonstration_fraction: environment {run.config.env.name!r} has no weak "
                          "demonstrator (set it to 0)")
-    tx = adamw(learning_rate_schedule(cfg.optimizer.lr, warmup_steps=cfg.optimizer.warmup_steps,
-                                      total_steps=max(cfg.steps, cfg.optimizer.warmup_steps + 1)),
-               max_grad_norm=cfg.optimizer.max_grad_norm)  # fmt: skip
+    tx = optimizer(cfg.optimizer)
     update = run.cluster.step(make_sft_update(graph, buffers, tx))
     params = run.cluster.place(params)
     opt_state = run.cluster.place(tx.init(params))
     rng = np.random.default_rng([run.config.seed, _SFT])
+    probe = None  # built at the first check: runs too short to reach one never pay for it
 
-    def demonstrate(prompt):
-        weak = bool(cfg.weak_demonstration_fraction) and rng.random() < cfg.weak_demonstration_fraction
-        return run.demonstration(prompt, weak=weak)
+    # Every batch holds the same number of weak demonstrations (at random rows): the tool choice the
+    # policy learns then does not drift with the batches' own mix, which a constant rate would follow.
+    num_weak = round(cfg.weak_demonstration_fraction * cfg.batch_size)
 
     with tqdm(range(cfg.steps), desc="sft", leave=False) as bar:
         for i in bar:
             prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.batch_size)]
-            demos = [demonstration_trajectory(run.env_factory(p), p, demonstrate(p), run.tokenizer,
-                                              add_bos=run.chat_format is None) for p in prompts]  # fmt: skip
+            weak = np.isin(np.arange(cfg.batch_size), rng.choice(cfg.batch_size, num_weak, replace=False))
+            demos = [demonstration_trajectory(run.env_factory(p), p, run.demonstration(p, weak=bool(w)), run.tokenizer,
+                                              add_bos=run.chat_format is None) for p, w in zip(prompts, weak)]  # fmt: skip
             batch = collate(demos, batch_size=cfg.batch_size, buckets=run.buckets)
             params, opt_state, metrics = update(params, opt_state, batch)
-            if i % 25 == 0 or i == cfg.steps - 1:
-                lines.append({"stage": "sft", "sft/step": i, **jax.tree.map(float, jax.device_get(metrics))})
-                line = writer.write(0, lines[-1])
-                bar.set_postfix(nll=f"{line['sft/nll']:.3f}", acc=f"{line['sft/token_accuracy']:.3f}")
+            line = {"stage": "sft", "sft/step": i, **jax.tree.map(float, jax.device_get(metrics))}
+            checked = cfg.target_demonstration_probability > 0 and (i + 1) % cfg.check_every == 0
+            if checked:
+                probe = probe or demonstration_probe(run, graph, buffers)
+                line["sft/demonstration_probability"] = float(probe(params))
+            reached = checked and line["sft/demonstration_probability"] >= cfg.target_demonstration_probability
+            if i % 25 == 0 or checked or reached or i == cfg.steps - 1:
+                lines.append(line | ({"sft/stopped_at_target": int(reached)} if reached or i == cfg.steps - 1 else {}))
+                writer.write(0, lines[-1])
+                bar.set_postfix(nll=f"{line['sft/nll']:.3f}", acc=f"{line['sft/token_accuracy']:.3f}",
+                                **({"p_demo": f"{line['sft/demonstration_probability']:.2f}"} if checked else {}))
+            if reached:
+                break
+    if not reached and cfg.target_demonstration_probability > 0:
+        log.warning("sft: the warm start did not reach sft.target_demonstration_probability=%s within sft.steps=%d",
+                    cfg.target_demonstration_probability, cfg.steps)
     return params
+
+
+def demonstration_probe(run: Run, graph, buffers):
+    """`params -> mean demonstration_probability` on `sft.probe_prompts` held-out gold demonstrations
+    (prompts of their own stream, or the first of `env.eval_file`); the token where the weaker
+    demonstrator would branch off is the free choice left out (`sft.choice_mask`)."""
+    config = run.config
+    prompts = prompt_pool(config, run.env_cls, config.env.eval_file, config.sft.probe_prompts, _SFT_PROBE)
+    prompts = prompts[: config.sft.probe_prompts]
+    add_bos = run.chat_format is None
+    gold, free = [], []
+    for p in prompts:
+        demo = demonstration_trajectory(run.env_factory(p), p, run.demonstration(p), run.tokenizer, add_bos=add_bos)
+        weak = (demonstration_trajectory(run.env_factory(p), p, run.demonstration(p, weak=True), run.tokenizer,
+                                         add_bos=add_bos) if config.sft.weak_demonstration_fraction else None)  # fmt: skip
+        gold.append(demo)
+        free.append(choice_mask(demo, weak))
+    batch = collate(gold, buckets=run.buckets)
+    free_mask = np.zeros(batch.tokens.shape, bool)
+    for row, mask in enumerate(free):
+        free_mask[row, : len(mask)] = mask
+    return run.cluster.step(make_demonstration_probe(graph, buffers, batch, free_mask))
 
 
 def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, critic_tx, writer: MetricsWriter):
@@ -322,14 +357,15 @@ def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
     return tx, jax.jit(steps_lib.sequence(update), donate_argnums=0)
 
 
+def optimizer(cfg: OptimizerConfig):
+    """AdamW of an `optimizer` section: its learning rate warmed up linearly over `warmup_steps` updates."""
+    lr = learning_rate_schedule(cfg.lr, warmup_steps=cfg.warmup_steps)
+    return adamw(lr, max_grad_norm=cfg.max_grad_norm, weight_decay=cfg.weight_decay)
+
+
 def make_optimizers(config: Config):
-    """(policy, critic) optimizers of RL: AdamW with a linear warmup over `optimizer.warmup_steps`
-    updates (the critic makes K a step), the critic's on `critic.trainable_patterns` only."""
-
-    def optimizer(cfg):
-        lr = learning_rate_schedule(cfg.lr, warmup_steps=cfg.warmup_steps)
-        return adamw(lr, max_grad_norm=cfg.max_grad_norm, weight_decay=cfg.weight_decay)
-
+    """(policy, critic) optimizers of RL (`optimizer`; the critic makes K updates a step), the critic's
+    on `critic.trainable_patterns` only."""
     policy_tx = steps_lib.guard_nonfinite(optimizer(config.policy.optimizer))
     critic_tx = steps_lib.guard_nonfinite(train_only(optimizer(config.critic.optimizer), config.critic.trainable_patterns))
     return policy_tx, critic_tx
@@ -598,9 +634,41 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
     finally:
         source.close()
     checkpointer.wait()
-    evals = [line for line in read_metrics(writer.path) if "eval/success_rate" in line]
-    return {
-        "eval_success_start": evals[0]["eval/success_rate"] if evals else None,
-        "eval_success_end": evals[-1]["eval/success_rate"] if evals else None,
-        "steps": cfg.steps,
+    return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts), steps=cfg.steps)
+
+
+def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: int) -> dict[str, Any]:
+    """summary.json from the run's metric lines: the warm start (SFT steps taken, the last probed
+    demonstration probability, whether it reached its target), held-out success at the first and last
+    evaluation, the gain, and whether the run learned: the gain exceeds twice its standard error,
+
+        learned ⇔ end − start > 2 · sqrt((p₀(1 − p₀) + p₁(1 − p₁)) / n),   n = held-out prompts,
+
+    so a gain that sampling noise of the evaluation alone could make does not count."""
+    sft = [line for line in lines if line.get("stage") == "sft"]
+    probes = [line["sft/demonstration_probability"] for line in sft if "sft/demonstration_probability" in line]
+    warm_start = {
+        "sft_steps": int(sft[-1]["sft/step"]) + 1 if sft else 0,
+        "demonstration_probability": probes[-1] if probes else None,
+        "reached_target": bool(sft[-1].get("sft/stopped_at_target", 0)) if sft else None,
     }
+    evals = [line["eval/success_rate"] for line in lines if "eval/success_rate" in line]
+    summary: dict[str, Any] = {"warm_start": warm_start, "steps": steps,
+                               "eval_success_start": evals[0] if evals else None,
+                               "eval_success_end": evals[-1] if evals else None}  # fmt: skip
+    if len(evals) >= 2:
+        start, end = evals[0], evals[-1]
+        standard_error = float(np.sqrt((start * (1 - start) + end * (1 - end)) / num_eval_prompts))
+        summary |= {"gain": end - start, "gain_standard_error": standard_error,
+                    "learned": bool(end - start > 2 * standard_error)}  # fmt: skip
+    return summary
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The run's outcome in one line, for the console."""
+    if summary.get("gain") is None:
+        return "held-out success: not evaluated twice (no verdict)"
+    start, end, gain = (100 * summary[k] for k in ("eval_success_start", "eval_success_end", "gain"))
+    verdict = ("learned" if summary["learned"] else
+               f"did not learn (the gain is within twice its standard error, {200 * summary['gain_standard_error']:.1f} points)")
+    return f"held-out success {start:.1f}% -> {end:.1f}% ({gain:+.1f} points in {summary['steps']} RL steps): {verdict}"

@@ -6,6 +6,9 @@ A demonstration trajectory is laid out exactly as the agent loop lays out a samp
 environment's own. The SFT loss is the token-mean negative log-likelihood of the action tokens:
 
     L = −Σ_t action_mask_t · log π(x_t | x_<t) / Σ_t action_mask_t
+
+SFT stops when the policy reproduces held-out demonstrations (`demonstration_probability`), so the
+warm start's skill is a measured quantity rather than whatever a fixed number of steps reached.
 """
 
 from __future__ import annotations
@@ -61,6 +64,34 @@ def demonstration_trajectory(env: Any, prompt: Any, demonstration: list[str], to
     )
 
 
+def choice_mask(gold: Trajectory, alternative: Trajectory | None) -> np.ndarray:
+    """The demonstrators' free choice in `gold`: True at the first action token where `alternative`
+    (the weaker demonstrator's trajectory for the same prompt) differs from it, False elsewhere. With
+    no alternative, or none that differs, nothing is free."""
+    free = np.zeros(gold.num_tokens, bool)
+    if alternative is None:
+        return free
+    n = min(gold.num_tokens, alternative.num_tokens)
+    differ = np.flatnonzero(gold.tokens[:n] != alternative.tokens[:n])
+    first = int(differ[0]) if len(differ) else (n if gold.num_tokens != alternative.num_tokens else -1)
+    if 0 <= first < gold.num_tokens and gold.action_mask[first]:
+        free[first] = True
+    return free
+
+
+def demonstration_probability(logprobs: jax.Array, action_mask: jax.Array, free_mask: jax.Array) -> jax.Array:
+    """Per row, the probability that sampling from the policy at temperature 1 writes the
+    demonstration's actions, given its observations and the demonstrators' free choice:
+
+        p_i = exp( Σ_t action_mask_it · (1 − free_it) · log π(x_it | x_i,<t) )
+
+    The environment is deterministic, so this is exactly the chance that a rollout which makes the
+    gold choice then copies, formats and answers as the demonstration does. `logprobs` are
+    `losses.token_logprobs`; `free_mask` marks the tokens left out (`choice_mask`)."""
+    counted = action_mask & ~free_mask
+    return jnp.exp(jnp.sum(jnp.where(counted, logprobs, 0.0), axis=-1))
+
+
 def make_sft_update(policy_graph, policy_buffers, tx: optax.GradientTransformation) -> Callable:
     """Jitted `(params, opt_state, batch) -> (params, opt_state, metrics)`: one step on the NLL above."""
 
@@ -80,3 +111,16 @@ def make_sft_update(policy_graph, policy_buffers, tx: optax.GradientTransformati
         return optax.apply_updates(params, updates), opt_state, metrics
 
     return jax.jit(sft_update, donate_argnums=(0, 1))
+
+
+def make_demonstration_probe(policy_graph, policy_buffers, probe: TrajectoryBatch, free_mask: np.ndarray) -> Callable:
+    """Jitted `params -> mean demonstration_probability` over the valid rows of `probe`."""
+    rows = jnp.asarray(probe.valid_mask.any(axis=-1))
+    free = jnp.asarray(free_mask)
+
+    def probability(params):
+        logits, _ = policy_logits(policy_graph, params, policy_buffers, probe)
+        p = demonstration_probability(losses.token_logprobs(logits, probe.tokens), probe.action_mask, free)
+        return jnp.sum(jnp.where(rows, p, 0.0)) / jnp.sum(rows)
+
+    return jax.jit(probability)

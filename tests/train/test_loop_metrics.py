@@ -87,3 +87,21 @@ def test_sft_cache_returns_the_same_warm_start_and_metric_lines(tmp_path):
     other = load_config(overrides=["seed=1", f"sft.cache_dir={tmp_path}"])
     assert loop.sft_cache_key(other) != loop.sft_cache_key(load_config(overrides=[f"sft.cache_dir={tmp_path}"]))
     assert loop.sft_cache_key(load_config(overrides=["sft.cache_dir=/a"])) == loop.sft_cache_key(load_config())
+
+
+def test_run_summary_reports_the_warm_start_and_whether_the_gain_beats_its_noise():
+    lines = [{"stage": "sft", "sft/step": 24, "sft/demonstration_probability": 0.41},
+             {"stage": "sft", "sft/step": 49, "sft/demonstration_probability": 0.83, "sft/stopped_at_target": 1},
+             {"step": 0, "eval/success_rate": 0.25}, {"step": 5, "train/reward_mean": 0.5},
+             {"step": 10, "eval/success_rate": 0.5}]  # fmt: skip
+    summary = loop.run_summary(lines, num_eval_prompts=64, steps=10)
+    assert summary["warm_start"] == {"sft_steps": 50, "demonstration_probability": 0.83, "reached_target": True}
+    assert (summary["eval_success_start"], summary["eval_success_end"]) == (0.25, 0.5)
+    # standard error of the gain: sqrt((0.25·0.75 + 0.5·0.5) / 64) = sqrt(0.4375 / 64) = 0.0826797
+    assert summary["gain"] == 0.25 and summary["gain_standard_error"] == pytest.approx(0.0826797, abs=1e-6)
+    assert summary["learned"] is True  # 0.25 > 2 · 0.0827
+    assert loop.summary_line(summary) == "held-out success 25.0% -> 50.0% (+25.0 points in 10 RL steps): learned"
+    small = loop.run_summary([*lines[:3], {"step": 10, "eval/success_rate": 0.375}], num_eval_prompts=64, steps=10)
+    assert small["learned"] is False  # 0.125 < 2 · sqrt((0.1875 + 0.234375) / 64) = 0.1624
+    assert "did not learn" in loop.summary_line(small)
+    assert loop.run_summary(lines[:3], num_eval_prompts=64, steps=0).get("learned") is None

@@ -10,7 +10,7 @@ from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import environment_class
 from sao_jax.models import Policy, tiny_qwen3_moe
 from sao_jax.rollout.trajectory import collate
-from sao_jax.train.sft import demonstration_trajectory, make_sft_update
+from sao_jax.train.sft import choice_mask, demonstration_probability, demonstration_trajectory, make_sft_update
 from sao_jax.train.steps import split_model
 
 
@@ -98,3 +98,80 @@ def test_sft_token_accuracy_compares_each_prediction_with_the_next_token():
     assert 0 < expected < 1
     _, _, metrics = update(params, opt_state, batch)  # metrics of the params before this step
     assert float(metrics["sft/token_accuracy"]) == pytest.approx(expected)
+
+
+def test_choice_mask_marks_only_the_token_where_the_weak_demonstrator_branches_off():
+    tok = CharTokenizer()
+    env_cls = environment_class("calculator")
+    (prompt,) = env_cls.generate_prompts(np.random.default_rng(3), 1)
+    gold = demonstration_trajectory(env_cls(), prompt, env_cls.demonstration(prompt), tok)
+    weak = demonstration_trajectory(env_cls(), prompt, env_cls.weak_demonstration(prompt), tok)
+    free = choice_mask(gold, weak)
+    # [bos] "Q: ...=?\n" "<calc>...": the tool's tag letter ("c" against the estimator's "e") is the choice
+    branch = 1 + len(prompt.text) + 1
+    assert tok.decode(gold.tokens[branch:branch + 1]) == "c" and tok.decode(weak.tokens[branch:branch + 1]) == "e"
+    assert np.flatnonzero(free).tolist() == [branch]
+    assert not choice_mask(gold, None).any() and not choice_mask(gold, gold).any()
+
+
+def test_demonstration_probability_multiplies_the_counted_action_token_probabilities():
+    rng = np.random.default_rng(0)
+    logprobs = np.log(rng.uniform(0.2, 1.0, (3, 7))).astype(np.float32)
+    action = rng.random((3, 7)) < 0.6
+    free = np.zeros((3, 7), bool)
+    free[0, np.flatnonzero(action[0])[0]] = True
+    expected = []
+    for i in range(3):
+        p = 1.0
+        for t in range(7):
+            if action[i, t] and not free[i, t]:
+                p *= float(np.exp(logprobs[i, t]))
+        expected.append(p)
+    got = demonstration_probability(jnp.asarray(logprobs), jnp.asarray(action), jnp.asarray(free))
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_sft_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypatch):
+    """The criterion's logic on a tiny run: probed values 0.3 then 0.9 against a target of 0.8 stop SFT
+    at the second check; a target no policy meets runs to the cap; the probability logged there is
+    the held-out gold demonstrations' (the tool's tag letter left out), recomputed with numpy."""
+    from sao_jax.config import load_config
+    from sao_jax.metrics import MetricsWriter, read_metrics
+    from sao_jax.train import loop
+
+    def sft(name, target):
+        config = load_config(overrides=["sft.steps=6", "sft.batch_size=4", "sft.check_every=2", "sft.probe_prompts=3",
+                                        f"sft.target_demonstration_probability={target}", "env.train_prompts=16",
+                                        f"output_dir={tmp_path / name}"])  # fmt: skip
+        run = loop.build_run(config)
+        with MetricsWriter(tmp_path / name, tensorboard=False) as writer:
+            params = loop.run_sft(run, writer)
+        lines = [line for line in read_metrics(tmp_path / name / "metrics.jsonl") if line.get("stage") == "sft"]
+        return run, config, params, lines
+
+    with monkeypatch.context() as patch:
+        probed = iter([0.3, 0.9])
+        patch.setattr(loop, "demonstration_probe", lambda *args: lambda params: next(probed))
+        _, _, _, lines = sft("scripted", 0.8)
+    assert [line.get("sft/demonstration_probability") for line in lines if line["sft/step"] in (1, 3)] == [0.3, 0.9]
+    assert lines[-1]["sft/step"] == 3 and lines[-1]["sft/stopped_at_target"] == 1
+    run, config, params, lines = sft("hard", 1.0)
+    checks = [line for line in lines if "sft/demonstration_probability" in line]
+    assert [line["sft/step"] for line in checks] == [1, 3, 5]
+    assert lines[-1]["sft/step"] == 5 and lines[-1]["sft/stopped_at_target"] == 0
+
+    prompts = loop.prompt_pool(config, run.env_cls, None, 3, loop._SFT_PROBE)
+    graph, _, buffers = split_model(run.policy)
+    model = nnx.merge(graph, params, buffers)
+    expected = []
+    for prompt in prompts:
+        actions = run.env_cls.demonstration(prompt)
+        demo = demonstration_trajectory(run.env_cls(), prompt, actions, run.tokenizer)
+        logits = np.asarray(model(jnp.asarray(demo.tokens[None]))[0], np.float64)
+        logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+        tag_letter = 1 + len(prompt.text) + 1
+        total = sum(logp[t - 1, demo.tokens[t]] for t in range(1, demo.num_tokens)
+                    if demo.action_mask[t] and t != tag_letter)
+        expected.append(np.exp(total))
+    assert checks[-1]["sft/demonstration_probability"] == pytest.approx(float(np.mean(expected)), rel=1e-4)

@@ -1,0 +1,76 @@
+"""Mechanism diagnostics: what an SAO mechanism does to the critic and the policy, measured directly.
+
+Each is a pure function of arrays, logged by the train steps beside the losses:
+
+* `group_grad_norms` — the gradient's L2 norm per module group (attention, routed experts, router,
+  dense MLP, embeddings and norms, value head), before clipping. The paper traces the critic's
+  instability to gradients far larger than the policy's, concentrated in the full-attention layers.
+* `fit_metrics` — the critic's explained variance and mean squared error against its targets on a
+  batch; measured on a fresh batch before the critic trains on it and after its K updates, the gap is
+  the critic lag that TTUR is meant to close.
+* `advantage_variance` — the per-token variance of the advantages over action tokens.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from sao_jax.optim import param_path
+
+# (group, regex over "/"-joined parameter paths); the first group whose regex matches a whole path
+# takes the parameter, and a parameter no regex matches is counted in "embeddings_norms".
+MODULE_GROUPS: tuple[tuple[str, str], ...] = (
+    ("value_head", r"(.*/)?value_head/.*"),
+    ("router", r"(.*/)?mlp/router/.*"),
+    ("experts", r"(.*/)?mlp/(experts|shared_experts)/.*"),
+    ("dense_mlp", r"(.*/)?mlp/(gate_proj|up_proj|down_proj)(/.*)?"),
+    ("attention", r"(.*/)?attn/.*"),
+)
+OTHER_GROUP = "embeddings_norms"
+
+
+def module_group(path: str) -> str:
+    """The group of a parameter path (`MODULE_GROUPS`, else `OTHER_GROUP`)."""
+    for name, pattern in MODULE_GROUPS:
+        if re.fullmatch(pattern, path):
+            return name
+    return OTHER_GROUP
+
+
+def group_grad_norms(grads: Any) -> dict[str, jax.Array]:
+    """Per module group g, ‖∇_g‖₂ = sqrt(Σ_{leaves in g} Σ x²); 0 for a group the model lacks. The
+    grouping is decided from the paths when traced, so it costs one reduction per leaf."""
+    squares = {name: jnp.zeros((), jnp.float32) for name, _ in MODULE_GROUPS} | {OTHER_GROUP: jnp.zeros((), jnp.float32)}
+    leaves = jax.tree_util.tree_flatten_with_path(grads, is_leaf=lambda x: hasattr(x, "get_value"))[0]
+    for key_path, leaf in leaves:
+        value = leaf.get_value() if hasattr(leaf, "get_value") else leaf
+        squares[module_group(param_path(key_path))] += jnp.sum(jnp.square(value.astype(jnp.float32)))
+    return {name: jnp.sqrt(total) for name, total in squares.items()}
+
+
+def fit_metrics(values: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
+    """Over the tokens of `mask`: explained variance 1 − Var[G − V] / Var[G] (0 where Var[G] = 0) and
+    mean squared error mean (V − G)² (population variances, as `losses.value_loss` reports them)."""
+    mask = mask.astype(bool)
+    count = jnp.maximum(jnp.sum(mask), 1)
+
+    def mean(x):
+        return jnp.sum(jnp.where(mask, x, 0.0)) / count
+
+    error = values - targets
+    target_variance = mean(jnp.square(targets - mean(targets)))
+    error_variance = mean(jnp.square(error - mean(error)))
+    explained = jnp.where(target_variance > 0, 1.0 - error_variance / jnp.where(target_variance > 0, target_variance, 1.0), 0.0)
+    return {"explained_variance": explained, "mse": mean(jnp.square(error))}
+
+
+def advantage_variance(advantages: jax.Array, mask: jax.Array) -> jax.Array:
+    """Population variance of the advantages over the tokens of `mask` (0 with no such token)."""
+    mask = mask.astype(bool)
+    count = jnp.maximum(jnp.sum(mask), 1)
+    mean = jnp.sum(jnp.where(mask, advantages, 0.0)) / count
+    return jnp.sum(jnp.where(mask, jnp.square(advantages - mean), 0.0)) / count

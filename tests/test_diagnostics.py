@@ -1,0 +1,71 @@
+"""Mechanism diagnostics against hand computations."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sao_jax import diagnostics, models
+from sao_jax.optim import param_path, param_paths
+
+# The group of each parameter of the tiny critic, written out by hand from its paths.
+HAND_GROUPS = {
+    "embed/embedding": "embeddings_norms", "final_norm/scale": "embeddings_norms",
+    "layers/0/input_norm/scale": "embeddings_norms", "layers/0/post_attn_norm/scale": "embeddings_norms",
+    "layers/0/attn/q_proj/kernel": "attention", "layers/0/attn/k_proj/kernel": "attention",
+    "layers/0/attn/v_proj/kernel": "attention", "layers/0/attn/o_proj/kernel": "attention",
+    "layers/0/attn/q_norm/scale": "attention", "layers/0/attn/k_norm/scale": "attention",
+    "layers/0/mlp/gate_proj": "dense_mlp", "layers/0/mlp/up_proj": "dense_mlp", "layers/0/mlp/down_proj": "dense_mlp",
+    "layers/1/input_norm/scale": "embeddings_norms", "layers/1/post_attn_norm/scale": "embeddings_norms",
+    "layers/1/attn/q_proj/kernel": "attention", "layers/1/attn/k_proj/kernel": "attention",
+    "layers/1/attn/v_proj/kernel": "attention", "layers/1/attn/o_proj/kernel": "attention",
+    "layers/1/attn/q_norm/scale": "attention", "layers/1/attn/k_norm/scale": "attention",
+    "layers/1/mlp/router/kernel": "router", "layers/1/mlp/experts/gate_proj": "experts",
+    "layers/1/mlp/experts/up_proj": "experts", "layers/1/mlp/experts/down_proj": "experts",
+    "value_head/kernel": "value_head", "value_head/bias": "value_head",
+}  # fmt: skip
+SLOPE = {"embeddings_norms": 0.5, "attention": 3.0, "dense_mlp": 1.5, "router": 2.0, "experts": 0.25, "value_head": 7.0}
+
+
+def test_group_grad_norms_on_a_loss_whose_gradient_is_known_per_group():
+    """L = Σ_params slope(group) · Σ param has ∂L/∂param = slope(group) everywhere, so group g's
+    gradient norm is slope(g) · sqrt(number of its scalars)."""
+    policy = models.Policy(models.tiny_qwen3_moe(vocab_size=50), rngs=nnx.Rngs(0))
+    critic = models.Critic.from_policy(policy, rngs=nnx.Rngs(1))
+    params = nnx.state(critic, nnx.Param)
+    paths = param_paths(params)
+    assert sorted(paths) == sorted(HAND_GROUPS)
+
+    def loss(params):
+        leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
+        return sum(SLOPE[HAND_GROUPS[param_path(p)]] * jnp.sum(leaf.get_value()) for p, leaf in leaves)
+
+    norms = diagnostics.group_grad_norms(jax.grad(loss)(params))
+    sizes = {group: 0 for group in SLOPE}
+    for (path, leaf) in zip(paths, jax.tree.leaves(params)):
+        sizes[HAND_GROUPS[path]] += leaf.size
+    assert set(norms) == set(SLOPE)
+    for group, slope in SLOPE.items():
+        assert float(norms[group]) == pytest.approx(slope * np.sqrt(sizes[group]), rel=1e-5)
+
+
+def test_a_group_the_model_lacks_has_norm_zero():
+    norms = diagnostics.group_grad_norms({"layers": {"0": {"attn": {"q_proj": {"kernel": jnp.full((2, 2), 2.0)}}}}})
+    assert float(norms["attention"]) == pytest.approx(4.0)  # sqrt(4 · 2²)
+    assert float(norms["experts"]) == 0.0 and float(norms["value_head"]) == 0.0
+
+
+def test_fit_metrics_and_advantage_variance_by_hand():
+    values = jnp.array([[0.0, 1.0, 2.0, 9.0]])
+    targets = jnp.array([[1.0, 1.0, 4.0, -3.0]])
+    mask = jnp.array([[True, True, True, False]])
+    # over the 3 masked tokens: G = (1, 1, 4), mean 2, Var[G] = (1 + 1 + 4) / 3 = 2;
+    # G − V = (1, 0, 2), mean 1, Var = (0 + 1 + 1) / 3 = 2/3; EV = 1 − (2/3) / 2 = 2/3; MSE = (1 + 0 + 4) / 3
+    fit = diagnostics.fit_metrics(values, targets, mask)
+    assert float(fit["explained_variance"]) == pytest.approx(2 / 3)
+    assert float(fit["mse"]) == pytest.approx(5 / 3)
+    assert float(diagnostics.fit_metrics(values, jnp.ones_like(targets), mask)["explained_variance"]) == 0.0
+    # advantages (1, 1, 4) → variance 2; the unmasked 9 is ignored
+    assert float(diagnostics.advantage_variance(targets, mask)) == pytest.approx(2.0)
+    assert float(diagnostics.advantage_variance(targets, jnp.zeros_like(mask))) == 0.0
