@@ -8,7 +8,8 @@ Trajectory notation: `prompt ‖ a_0 ‖ o_0 ‖ a_1 ‖ … ‖ a_n`. Action sp
 `action_mask = 1`; observation, prompt and padding tokens have `action_mask = 0`.
 """
 
-from typing import Callable, NamedTuple
+import dataclasses
+from typing import Any, Callable, NamedTuple
 
 import chex
 import jax
@@ -341,12 +342,43 @@ def step_gae(
     return to_tokens(step_advantage), to_tokens(step_advantage + step_value)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., tuple[Array, Array]]] = {
-    "skip_observation_gae": skip_observation_gae,
-    "cross_observation_gae": cross_observation_gae,  # also takes valid_mask
-    "step_gae": step_gae,  # also takes value_reduce
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """One row of `ADVANTAGE_ESTIMATORS`; `batch` is a `TrajectoryBatch` (rewards, action_mask, valid_mask).
+
+    gae: `(batch, values, gamma, lam) -> (advantages, returns)` for critic-based rows, else None.
+    value_mask: `batch -> mask` of the tokens the critic is trained on.
+    grouped: compares the G = `advantage.group_size` rollouts of a prompt (needs G >= 2).
+    reference: reads the frozen reference policy and a `TraceBatch`.
+    """
+
+    gae: Callable[..., tuple[Array, Array]] | None
+    value_mask: Callable[[Any], Array] = lambda batch: batch.action_mask
+    grouped: bool = False
+    reference: bool = False
+
+
+def _on_batch(fn, **fixed):
+    return lambda b, values, gamma, lam: fn(b.rewards, values, b.action_mask, gamma=gamma, lam=lam, **fixed)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
+    "skip_observation_gae": Estimator(_on_batch(skip_observation_gae)),
+    "cross_observation_gae": Estimator(
+        lambda b, values, gamma, lam: cross_observation_gae(
+            b.rewards, values, b.action_mask, b.valid_mask, gamma=gamma, lam=lam
+        ),
+        value_mask=lambda b: b.valid_mask,  # (ours) every valid token is a step, so every one has a target
+    ),
+    "step_gae_mean": Estimator(_on_batch(step_gae, value_reduce="mean")),
+    "step_gae_last": Estimator(_on_batch(step_gae, value_reduce="last")),
+    # Critic-free rows: one outcome advantage per sequence, on all of its action tokens.
+    "running_mean": Estimator(None),
+    "grpo": Estimator(None, grouped=True),
+    "rloo": Estimator(None, grouped=True),
+    "trace": Estimator(None, grouped=True, reference=True),
 }
-"""Config name → GAE estimator `(rewards, values, action_mask, ..., *, gamma, lam, ...)`."""
+"""The config's `advantage.estimator` names: read by config validation and by the step builder."""
 
 
 def length_adaptive_lambda(num_action_tokens: Array, alpha) -> Array:

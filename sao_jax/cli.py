@@ -1,9 +1,11 @@
-"""`sao-train [--config FILE] [--resume] [key.sub=value ...]`: SFT → value pretraining → SAO RL.
+"""`sao-train [--config FILE] [--resume] [--debug] [key.sub=value ...]`: SFT → value pretraining → SAO RL.
 
 With no arguments it runs the embedded default: the calculator-tool task, a tiny MoE policy and critic,
 on the CPU. `--gae-demo` instead prints skip- vs cross-observation GAE on one multi-turn trajectory.
 Several processes (one per host) make one run when each is started with `--distributed` (pods,
 clusters) or `--coordinator HOST:PORT --num-processes N --process-id I` (`sao_jax.train.distributed`).
+A user's mistake (a key, a value, a file or a folder: `sao_jax.errors.UserError`) is one stderr line
+`error: …` and exit 2 before any work is done; `--debug` shows its traceback too.
 """
 
 from __future__ import annotations
@@ -12,18 +14,21 @@ import argparse
 import json
 import logging
 import sys
+from collections.abc import Callable
 
 import numpy as np
 
-from sao_jax.config import ConfigError, load_config
+from sao_jax.config import load_config
+from sao_jax.errors import UserError
 from sao_jax.outputs import join
 
 
-def _parse(parser: argparse.ArgumentParser, argv: list[str] | None):
-    """(args, config), or (args, None) after printing a one-line ConfigError. Joins a multi-process
-    run when the flags ask for one (before any other JAX call)."""
+def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments, with the options every command shares."""
     parser.add_argument("--config", help="YAML config file (may name `base:`)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a user error (a bad key, file or folder) too")
     processes = parser.add_argument_group(
         "multi-process runs", "one process per host, every process started with the same config and overrides")
     processes.add_argument("--distributed", action="store_true",
@@ -38,25 +43,40 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None):
     explicit = (args.coordinator, args.num_processes, args.process_id)
     if any(v is not None for v in explicit) and None in explicit:
         parser.error("--coordinator, --num-processes and --process-id go together")
-    try:
-        config = load_config(args.config, args.overrides)
-    except ConfigError as e:
-        print(f"ConfigError: {e}", file=sys.stderr)
-        return args, None
+    return args
+
+
+def _load(args: argparse.Namespace):
+    """The config of `args`; then joins a multi-process run when the flags ask for one (before any
+    other JAX call)."""
+    config = load_config(args.config, args.overrides)
     if args.distributed or args.coordinator is not None:
         from sao_jax.train.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
-    return args, config
+    return config
+
+
+def _user_errors_exit_2(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """`command(args)`; a `UserError` becomes one stderr line `error: …` and exit 2 (raised with --debug)."""
+    try:
+        return command(args)
+    except UserError as e:
+        if args.debug:
+            raise
+        print("error: " + " ".join(str(e).split()), file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sao-train", description=__doc__.split("\n\n")[0])
     parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
     parser.add_argument("--gae-demo", action="store_true", help="print the GAE demo table and exit")
-    args, config = _parse(parser, argv)
-    if config is None:
-        return 2
+    return _user_errors_exit_2(_train, _parse(parser, argv))
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = _load(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("sao_jax").setLevel(logging.INFO)
     if args.gae_demo:
@@ -75,9 +95,11 @@ def evaluate_main(argv: list[str] | None = None) -> int:
     """`sao-eval [--config FILE] [key.sub=value ...]`: held-out success of the newest checkpoint in
     output_dir (pass the same config as the run that wrote it)."""
     parser = argparse.ArgumentParser(prog="sao-eval", description=evaluate_main.__doc__.split("\n")[0])
-    _, config = _parse(parser, argv)
-    if config is None:
-        return 2
+    return _user_errors_exit_2(_evaluate, _parse(parser, argv))
+
+
+def _evaluate(args: argparse.Namespace) -> int:
+    config = _load(args)
     from sao_jax.train.loop import evaluate_checkpoint
 
     print(json.dumps(evaluate_checkpoint(config), indent=2))

@@ -18,11 +18,64 @@ from typing import Any
 
 import yaml
 
+from sao_jax.advantages import ADVANTAGE_ESTIMATORS
+from sao_jax.envs import ENVIRONMENTS
+from sao_jax.errors import UserError
+from sao_jax.losses import POLICY_LOSSES
+from sao_jax.models.config import ATTENTIONS, DTYPES, MOE_DISPATCHES, PRESETS
 from sao_jax.optim import CRITIC_FROZEN_ATTENTION_TRAINABLE
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A malformed config: says which key, where, and what would fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field (of each item, for a tuple): `low <= v` (`low < v` when
+    `open_low`) and `v <= high`, or one of `also`. None, where a field allows it, is always valid."""
+
+    low: float | None = None
+    high: float | None = None
+    open_low: bool = False
+    also: tuple[float, ...] = ()
+
+    def __str__(self) -> str:
+        if self.low is not None and self.high is not None:
+            text = f"in {'(' if self.open_low else '['}{self.low:g}, {self.high:g}]"
+        elif self.low is not None:
+            text = f"{'>' if self.open_low else '>='} {self.low:g}"
+        else:
+            text = f"<= {self.high:g}"
+        return " or ".join([text, *(f"{v:g}" for v in self.also)])
+
+    def holds(self, value: float) -> bool:
+        above = self.low is None or (value > self.low if self.open_low else value >= self.low)
+        return value in self.also or (above and (self.high is None or value <= self.high))
+
+
+POSITIVE = Range(0, open_low=True)
+NON_NEGATIVE = Range(0)
+AT_LEAST_1 = Range(1)
+UNIT = Range(0, 1)
+
+
+def ranged(default: Any, valid: Range) -> Any:
+    """A dataclass field holding a number in `valid`, checked when a config is loaded."""
+    return dataclasses.field(default=default, metadata={"range": valid})
+
+
+def range_problems(section: Any) -> list[tuple[str, str]]:
+    """(field, problem) for each field of `section` whose value is outside its declared `Range`."""
+    out = []
+    for f in dataclasses.fields(section):
+        valid, value = f.metadata.get("range"), getattr(section, f.name)
+        if valid is None or value is None:
+            continue
+        bad = [v for v in (value if isinstance(value, tuple) else (value,)) if not valid.holds(v)]
+        if bad:
+            out.append((f.name, f"must be {valid}{' (each item)' if isinstance(value, tuple) else ''} (got {value})"))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,38 +83,28 @@ class AdvantageConfig:
     """How advantages and critic targets are computed (ALGORITHMS.md §1–3, §9, §10)."""
 
     estimator: str = "skip_observation_gae"
-    gamma: float = 1.0
-    lam_critic: float = 1.0  # decoupled λ: critic targets use λ = 1 (VAPO; SAO)
-    lam_policy: float = 0.95  # used when length_adaptive_alpha is None
-    length_adaptive_alpha: float | None = 1.5  # λ_policy = 1 − 1/(α·l); SAO uses α = 1.5
-    running_mean_window: int = 8
+    gamma: float = ranged(1.0, UNIT)
+    lam_critic: float = ranged(1.0, UNIT)  # decoupled λ: critic targets use λ = 1 (VAPO; SAO)
+    lam_policy: float = ranged(0.95, UNIT)  # used when length_adaptive_alpha is None
+    length_adaptive_alpha: float | None = ranged(1.5, POSITIVE)  # λ_policy = 1 − 1/(α·l); SAO uses α = 1.5
+    running_mean_window: int = ranged(8, AT_LEAST_1)
     running_mean_scope: str = "per_prompt"  # or "global"
-    group_size: int = 1  # rollouts per prompt; grpo, rloo and trace normalise within each group
+    group_size: int = ranged(1, AT_LEAST_1)  # rollouts per prompt; grpo, rloo and trace normalise within each group
     # TRACE turn credit (ALGORITHMS.md §10): horizon K, γ_td, λ_term, α_out, α_turn.
-    trace_k: int = 3
-    trace_gamma_td: float = 0.8
-    trace_lambda_term: float = 2.0
-    trace_alpha_out: float = 1.0
-    trace_alpha_turn: float = 0.2
+    trace_k: int = ranged(3, AT_LEAST_1)
+    trace_gamma_td: float = ranged(0.8, UNIT)
+    trace_lambda_term: float = ranged(2.0, NON_NEGATIVE)
+    trace_alpha_out: float = ranged(1.0, NON_NEGATIVE)
+    trace_alpha_turn: float = ranged(0.2, NON_NEGATIVE)
 
     def problems(self) -> list[tuple[str, str]]:
-        out = [(n, f"must be in [0, 1] (got {v})") for n, v in
-               (("gamma", self.gamma), ("lam_critic", self.lam_critic), ("lam_policy", self.lam_policy))
-               if not 0.0 <= v <= 1.0]
+        out = []
         if self.running_mean_scope not in ("per_prompt", "global"):
             out.append(("running_mean_scope", f"must be per_prompt or global (got {self.running_mean_scope!r})"))
-        from sao_jax.train.steps import ADVANTAGE_ESTIMATORS  # the table the trainer looks names up in
-
         if self.estimator not in ADVANTAGE_ESTIMATORS:
-            close = difflib.get_close_matches(self.estimator, ADVANTAGE_ESTIMATORS, n=1)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            out.append(("estimator", f"must be one of {', '.join(ADVANTAGE_ESTIMATORS)} (got {self.estimator!r}){hint}"))
-        if self.group_size < 1:
-            out.append(("group_size", f"must be >= 1 (got {self.group_size})"))
-        elif self.group_size < 2 and getattr(ADVANTAGE_ESTIMATORS.get(self.estimator), "grouped", False):
+            out.append(("estimator", _not_one_of(self.estimator, ADVANTAGE_ESTIMATORS)))
+        elif self.group_size < 2 and ADVANTAGE_ESTIMATORS[self.estimator].grouped:
             out.append(("group_size", f"must be >= 2 for estimator {self.estimator} (got {self.group_size})"))
-        if self.trace_k < 1:
-            out.append(("trace_k", f"must be >= 1 (got {self.trace_k})"))
         return out
 
 
@@ -70,38 +113,40 @@ class LossConfig:
     """Policy loss and keep rule (ALGORITHMS.md §4–5)."""
 
     name: str = "dis"
-    eps_low: float = 0.3
-    eps_high: float = 5.0
-    icepop_alpha: float = 0.5
-    icepop_beta: float = 5.0
-    estr_tau: float = 1.0
-    estr_eps: float = 0.01
-    value_clip_eps: float | None = None
+    eps_low: float = ranged(0.3, UNIT)  # keep ratios above 1 − eps_low
+    eps_high: float = ranged(5.0, NON_NEGATIVE)  # and below 1 + eps_high
+    icepop_alpha: float = ranged(0.5, NON_NEGATIVE)  # icepop keeps train/inference ratios in [α, β]
+    icepop_beta: float = ranged(5.0, POSITIVE)
+    estr_tau: float = ranged(1.0, POSITIVE)
+    estr_eps: float = ranged(0.01, NON_NEGATIVE)
+    # PPO value clipping of the critic's RL updates: each of a step's K value updates is clipped to ±ε
+    # around the critic's values before the first (so it needs K >= 2). None: no clipping (SAO's).
+    value_clip_eps: float | None = ranged(None, POSITIVE)
 
     def problems(self) -> list[tuple[str, str]]:
-        from sao_jax.losses import POLICY_LOSSES
-
-        if self.name in POLICY_LOSSES:
-            return []
-        close = difflib.get_close_matches(self.name, POLICY_LOSSES, n=1)
-        hint = f"; did you mean {close[0]}?" if close else ""
-        return [("name", f"must be one of {', '.join(POLICY_LOSSES)} (got {self.name!r}){hint}")]
+        out = [] if self.name in POLICY_LOSSES else [("name", _not_one_of(self.name, POLICY_LOSSES))]
+        if self.icepop_alpha >= self.icepop_beta:
+            out.append(("icepop_alpha", f"must be below icepop_beta={self.icepop_beta} (got {self.icepop_alpha})"))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    warmup_steps: int = 0
+    """AdamW after global-norm clipping; the learning rate rises linearly from 0 over `warmup_steps`
+    updates, then stays at `lr`."""
+
+    lr: float = ranged(1e-6, POSITIVE)
+    weight_decay: float = ranged(0.0, NON_NEGATIVE)
+    max_grad_norm: float = ranged(1.0, POSITIVE)
+    warmup_steps: int = ranged(0, NON_NEGATIVE)
 
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
     """The critic and TTUR (ALGORITHMS.md §6–8)."""
 
-    updates_per_policy_update: int = 2  # K in TTUR
-    warmup_steps: int = 5  # critic-only steps before the first policy update (SAO: 10)
+    updates_per_policy_update: int = ranged(2, AT_LEAST_1)  # K in TTUR
+    warmup_steps: int = ranged(5, NON_NEGATIVE)  # critic-only steps before the first policy update (SAO: 10)
     # Regexes over "/"-joined parameter paths (sao_jax.optim): MoE projections + value head train,
     # attention, embeddings and norms are frozen. "w/o frozen attention" is `[".*"]`.
     trainable_patterns: tuple[str, ...] = CRITIC_FROZEN_ATTENTION_TRAINABLE
@@ -109,13 +154,21 @@ class CriticConfig:
     # the default job (seed 0): at 1e-3 the explained variance fell from 0.51 after pretraining to
     # ~0.1 within the warmup and RL stayed flat; at 2e-4 it climbed to ~0.4 and success rose.
     optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4)
-    pretrain_rollouts: int = 256  # value-pretraining corpus size ("scaled value pretraining" = more)
-    pretrain_epochs: int = 4
-    pretrain_lr: float = 1e-3
+    # Value-pretraining corpus size ("scaled value pretraining" = more); 0: no value pretraining.
+    pretrain_rollouts: int = ranged(256, NON_NEGATIVE)
+    pretrain_epochs: int = ranged(4, AT_LEAST_1)
+    pretrain_lr: float = ranged(1e-3, POSITIVE)
+    # What value pretraining trains. None (the default): `trainable_patterns`, the RL set. SAO's reason to
+    # freeze attention (§3.2: the policy's attention already reads the right tokens; the critic learns
+    # what to read out of them) holds before RL as much as during it, the results were measured so, and
+    # the "w/o frozen attention" ablation then pretrains every parameter too, changing one thing.
+    # `[".*"]`: every parameter trains in pretraining, the RL set after it.
+    pretrain_trainable_patterns: tuple[str, ...] | None = None
 
     def problems(self) -> list[tuple[str, str]]:
-        k = self.updates_per_policy_update
-        return [("updates_per_policy_update", f"must be >= 1 (got {k})")] if k < 1 else []
+        return [(name, "must name at least one pattern (got [])") for name, patterns in
+                (("trainable_patterns", self.trainable_patterns),
+                 ("pretrain_trainable_patterns", self.pretrain_trainable_patterns)) if patterns == ()]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +181,7 @@ class ModelConfig:
     """The policy's architecture: a preset of `sao_jax.models` (vocab sized to the tokenizer), or a
     Hugging Face folder for `from_pretrained`."""
 
-    preset: str = "cpu_moe"
+    preset: str = "cpu_moe"  # a name in sao_jax.models.PRESETS; unused with `pretrained`
     pretrained: str | None = None
     # Routing of the MoE layers (None: the preset's). "capacity" drops overflow assignments, differently
     # in decode steps and full forwards: a train/inference mismatch, which keep rules need to matter.
@@ -144,27 +197,25 @@ class ModelConfig:
     attention: str | None = None
 
     def problems(self) -> list[tuple[str, str]]:
-        from sao_jax.models.config import ATTENTIONS, DTYPES
-
-        out = [(name, f"must be one of {', '.join(DTYPES)} or null (got {value!r})")
-               for name, value in (("dtype", self.dtype), ("param_dtype", self.param_dtype))
-               if value is not None and value not in DTYPES]  # fmt: skip
-        if self.attention is not None and self.attention not in ATTENTIONS:
-            out.append(("attention", f"must be one of {', '.join(ATTENTIONS)} or null (got {self.attention!r})"))
-        return out
+        choices = (("preset", self.preset, PRESETS), ("moe_dispatch", self.moe_dispatch, MOE_DISPATCHES),
+                   ("dtype", self.dtype, DTYPES), ("param_dtype", self.param_dtype, DTYPES),
+                   ("attention", self.attention, ATTENTIONS))  # fmt: skip
+        return [(name, _not_one_of(value, known, nullable=name != "preset"))
+                for name, value, known in choices if value is not None and value not in known]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
 class EnvConfig:
-    name: str = "calculator"
+    name: str = "calculator"  # a name in sao_jax.envs.ENVIRONMENTS
     # Levels to draw uniformly from (a level listed twice counts twice); empty = the env's full mix.
     # The default task weights the calculator toward its longest problems: SFT on them switches the copy
     # skill on in every seed measured (3 of 3 by 400 steps, vs 1 of 3 on the even 1-2-3 mix).
-    difficulty: tuple[int, ...] = (2, 3, 3)
-    train_prompts: int = 4096  # size of the training prompt pool (per-prompt baselines key on it)
+    difficulty: tuple[int, ...] = ranged((2, 3, 3), AT_LEAST_1)
+    # Size of the training prompt pool (per-prompt baselines key on it); unused with `train_file`.
+    train_prompts: int = ranged(4096, AT_LEAST_1)
     # Held-out prompts, drawn from a separate stream. 256: the sampling noise of one evaluation (a
     # standard error of ~3 points at 50 % success) stays below the differences a user looks for.
-    eval_prompts: int = 256
+    eval_prompts: int = ranged(256, AT_LEAST_1)
     eval_greedy: bool = False  # held-out decoding: greedy (top-k 1), or the rollout sampling settings
     # Prompt files (JSONL or Parquet with `prompt`, `answer`): when set they replace the generator.
     train_file: str | None = None
@@ -172,17 +223,20 @@ class EnvConfig:
     # Keyword arguments of the environment's constructor (e.g. style_shift's `switches`).
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    def problems(self) -> list[tuple[str, str]]:
+        return [] if self.name in ENVIRONMENTS else [("name", _not_one_of(self.name, ENVIRONMENTS))]
+
 
 @dataclasses.dataclass(frozen=True)
 class RolloutConfig:
-    num_slots: int = 32  # trajectories decoded together
-    max_total_tokens: int = 96
-    max_action_tokens: int = 32
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    chunk_size: int = 16
-    env_timeout_s: float = 5.0
+    num_slots: int = ranged(32, AT_LEAST_1)  # trajectories decoded together
+    max_total_tokens: int = ranged(96, AT_LEAST_1)
+    max_action_tokens: int = ranged(32, AT_LEAST_1)
+    temperature: float = ranged(1.0, POSITIVE)  # greedy decoding is top_k = 1
+    top_k: int = ranged(0, NON_NEGATIVE)  # 0: no top-k cut
+    top_p: float = ranged(1.0, Range(0, 1, open_low=True))
+    chunk_size: int = ranged(16, AT_LEAST_1)
+    env_timeout_s: float = ranged(5.0, POSITIVE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,60 +250,54 @@ class SFTConfig:
     The learning rate warms up, then stays constant: the stopping point, not a schedule, ends SFT.
     """
 
-    steps: int = 1500  # the cap
-    target_demonstration_probability: float = 0.8
-    check_every: int = 25
-    probe_prompts: int = 64
-    batch_size: int = 32
+    steps: int = ranged(1500, NON_NEGATIVE)  # the cap
+    target_demonstration_probability: float = ranged(0.8, UNIT)
+    check_every: int = ranged(25, AT_LEAST_1)
+    probe_prompts: int = ranged(64, AT_LEAST_1)
+    batch_size: int = ranged(32, AT_LEAST_1)
     # Share of demonstrations from a weaker demonstrator (`weak_demonstration` of the env class; the
     # calculator's calls an estimator): the starting policy then sometimes picks the worse tool, and RL
     # must learn that the exact one pays.
-    weak_demonstration_fraction: float = 0.5
+    weak_demonstration_fraction: float = ranged(0.5, UNIT)
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
     # A folder of finished warm starts, keyed by everything SFT depends on (seed, model, env, sft,
     # rollout, mesh): runs that share one (ablation rows of a seed) train it once. None: no cache.
     cache_dir: str | None = None
-
-    def problems(self) -> list[tuple[str, str]]:
-        f = self.weak_demonstration_fraction
-        return [] if 0.0 <= f <= 1.0 else [("weak_demonstration_fraction", f"must be in [0, 1] (got {f})")]
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The RL stage."""
 
-    steps: int = 200
-    batch_size: int = 32
-    eval_every: int = 25
-    checkpoint_every: int = 25
-    keep_checkpoints: int = 3
+    steps: int = ranged(200, NON_NEGATIVE)
+    batch_size: int = ranged(32, AT_LEAST_1)
+    eval_every: int = ranged(25, AT_LEAST_1)
+    checkpoint_every: int = ranged(25, AT_LEAST_1)
+    keep_checkpoints: int = ranged(3, AT_LEAST_1)
     # Where checkpoints go: None = OUTPUT_DIR/checkpoints. A gs:// URL is written by Orbax directly,
     # with no bucket mount (metrics, TensorBoard and plots still go to output_dir).
     checkpoint_dir: str | None = None
     mode: str = "sync"  # "sync": deterministic lockstep; "async": streaming single rollouts
-    max_staleness: int = 4  # async: drop trajectories sampled more than this many versions ago
-    queue_capacity: int = 64  # async: finished trajectories waiting for the trainer
+    max_staleness: int = ranged(4, NON_NEGATIVE)  # async: drop trajectories sampled more than this many versions ago
+    queue_capacity: int = ranged(64, AT_LEAST_1)  # async: finished trajectories waiting for the trainer
     # Memory of a train step (the numbers do not change): rows per micro-batch, their gradients summed
     # (0 = the whole batch at once; must divide the batch), and positions per piece of the policy's
     # logits, each piece made and dropped (0 = the whole sequence's [time, vocab] logits at once).
-    micro_batch_size: int = 0
-    logit_chunk: int = 0
+    micro_batch_size: int = ranged(0, NON_NEGATIVE)
+    logit_chunk: int = ranged(0, NON_NEGATIVE)
     wandb: bool = False  # also log every metrics line to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "sao_jax"
 
     def problems(self) -> list[tuple[str, str]]:
-        out = [(n, f"must be >= 1 (got {v})") for n, v in
-               (("batch_size", self.batch_size), ("eval_every", self.eval_every),
-                ("checkpoint_every", self.checkpoint_every), ("keep_checkpoints", self.keep_checkpoints))
-               if v < 1]  # fmt: skip
-        out += [(n, f"must be >= 0 (got {v})") for n, v in
-                (("micro_batch_size", self.micro_batch_size), ("logit_chunk", self.logit_chunk)) if v < 0]  # fmt: skip
+        out = []
         if self.micro_batch_size and self.batch_size % self.micro_batch_size:
             out.append(("micro_batch_size", f"must divide batch_size={self.batch_size} (got {self.micro_batch_size})"))
         if self.mode not in ("sync", "async"):
             out.append(("mode", f"must be sync or async (got {self.mode!r})"))
         return out
+
+
+_MESH_AXIS = Range(1, also=(-1,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,30 +309,24 @@ class MeshConfig:
     sampling and training then run at once on separate chips.
     """
 
-    data: int = 1
-    fsdp: int = -1
-    expert: int = 1
-    tensor: int = 1
-    rollout_devices: int = 0
+    data: int = ranged(1, _MESH_AXIS)
+    fsdp: int = ranged(-1, _MESH_AXIS)
+    expert: int = ranged(1, _MESH_AXIS)
+    tensor: int = ranged(1, _MESH_AXIS)
+    rollout_devices: int = ranged(0, NON_NEGATIVE)
 
     def shape(self) -> dict[str, int]:
         return {"data": self.data, "fsdp": self.fsdp, "expert": self.expert, "tensor": self.tensor}
 
     def problems(self) -> list[tuple[str, str]]:
-        sizes = self.shape()
-        out = [(n, f"must be >= 1 or -1 (got {v})") for n, v in sizes.items() if v == 0 or v < -1]
-        if sum(v == -1 for v in sizes.values()) > 1:
-            out.append(("fsdp", "at most one mesh axis may be -1"))
-        if self.rollout_devices < 0:
-            out.append(("rollout_devices", f"must be >= 0 (got {self.rollout_devices})"))
-        return out
+        return [("fsdp", "at most one mesh axis may be -1")] if list(self.shape().values()).count(-1) > 1 else []
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One run. `seed` and `output_dir` always exist (the CLI contract)."""
 
-    seed: int = 0
+    seed: int = ranged(0, NON_NEGATIVE)
     output_dir: str = "runs/default"
     model: ModelConfig = ModelConfig()
     env: EnvConfig = EnvConfig()
@@ -298,10 +340,26 @@ class Config:
     mesh: MeshConfig = MeshConfig()
 
     def problems(self) -> list[tuple[str, str]]:
+        out = []
         group, batch = self.advantage.group_size, self.train.batch_size
         if batch % group:
-            return [("train.batch_size", f"must be a multiple of advantage.group_size={group} (got {batch})")]
-        return []
+            out.append(("train.batch_size", f"must be a multiple of advantage.group_size={group} (got {batch})"))
+        rollouts = self.critic.pretrain_rollouts
+        if 0 < rollouts < batch:
+            out.append(("critic.pretrain_rollouts", f"must be 0 or at least train.batch_size={batch}, one value "
+                                                    f"pretraining batch (got {rollouts})"))  # fmt: skip
+        k = self.critic.updates_per_policy_update
+        if self.loss.value_clip_eps is not None and k < 2:
+            out.append(("loss.value_clip_eps", f"needs critic.updates_per_policy_update >= 2: the clip is around the "
+                                               f"critic before a step's first update (got K={k})"))  # fmt: skip
+        return out
+
+
+def _not_one_of(value: Any, known: Any, *, nullable: bool = False) -> str:
+    """"must be one of …" for a name not in `known`, with the closest known name."""
+    close = difflib.get_close_matches(str(value), list(known), n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    return f"must be one of {', '.join(known)}{' or null' if nullable else ''} (got {value!r}){hint}"
 
 
 def load_config(
@@ -319,7 +377,11 @@ def load_config(
         key, sep, text = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
-        _set_dotted(raw, key.strip().split("."), yaml.safe_load(text))
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"the value of override {item!r} is not valid YAML ({_yaml_problem(e)})") from None
+        _set_dotted(raw, key.strip().split("."), value)
     return _build(schema(), raw, prefix="", source=source)
 
 
@@ -334,7 +396,10 @@ def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
         raise ConfigError(f"config base cycle: {' -> '.join(str(p) for p in (*seen, path))}")
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"not valid YAML ({_yaml_problem(e)}) ({path})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(data).__name__}")
     base = data.pop("base", None)
@@ -343,6 +408,13 @@ def _read_with_bases(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     merged = _read_with_bases(path.parent / base, seen=(*seen, path))
     _deep_update(merged, data)
     return merged
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """PyYAML's error in a few words, with the line and column where it was found."""
+    problem = getattr(error, "problem", None) or type(error).__name__
+    mark = getattr(error, "problem_mark", None)
+    return problem if mark is None else f"{problem}, line {mark.line + 1} column {mark.column + 1}"
 
 
 def _deep_update(into: dict[str, Any], new: Mapping[str, Any]) -> None:
@@ -381,7 +453,7 @@ def _build(default: Any, raw: Mapping[str, Any], *, prefix: str, source: str) ->
         else:
             changes[name] = _coerce(hints[name], value, key=key, source=source)
     built = dataclasses.replace(default, **changes)
-    for name, problem in getattr(built, "problems", lambda: [])():
+    for name, problem in range_problems(built) + getattr(built, "problems", lambda: [])():
         raise ConfigError(f"{prefix}{name} {problem} in {source}")
     return built
 

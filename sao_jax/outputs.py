@@ -18,6 +18,25 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from sao_jax.errors import UserError
+
+
+class OutputFolderError(UserError):
+    """A local output folder that cannot be created or written."""
+
+
+def check_writable(folder: str | Path, key: str) -> None:
+    """Create the local `folder` if needed and write a file in it, or raise `OutputFolderError` naming
+    the folder and the config `key`. A URL is not checked here (its mirror is local; Orbax writes to it)."""
+    if is_url(folder):
+        return
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise OutputFolderError(f"cannot write the folder ({e.strerror or e}), {folder} ({key})") from None
+
 
 def is_url(path: str | Path) -> bool:
     """Whether `path` names a remote location (`scheme://...`) rather than a local directory."""

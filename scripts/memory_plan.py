@@ -558,9 +558,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     chip, chips = accelerator_chips(args.accelerator)
     if args.hbm_gb:
         chip = dataclasses.replace(chip, hbm_bytes=args.hbm_gb * 1e9)
-    preset = getattr(models, args.preset, None)
-    if not callable(preset) or args.preset.startswith("_"):
-        parser.error(f"--preset {args.preset!r} is not a model preset of sao_jax.models")
+    preset = models.PRESETS.get(args.preset)
+    if preset is None:
+        parser.error(f"--preset {args.preset!r} is not one of {', '.join(models.PRESETS)}")
     try:
         result = plan(
             preset(), parse_mesh(args.mesh), chips=args.chips or chips, chip=chip,

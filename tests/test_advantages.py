@@ -463,12 +463,6 @@ def test_action_span_index():
         np.testing.assert_array_equal(got[b], want)
 
 
-def test_registry_names_the_estimators():
-    assert adv.ADVANTAGE_ESTIMATORS["skip_observation_gae"] is adv.skip_observation_gae
-    assert adv.ADVANTAGE_ESTIMATORS["cross_observation_gae"] is adv.cross_observation_gae
-    assert adv.ADVANTAGE_ESTIMATORS["step_gae"] is adv.step_gae
-
-
 # ----------------------------------------------------------------------------------------------
 # λ schedule, masked statistics, outcome baselines
 

@@ -1,23 +1,97 @@
-"""The command line: clear config errors, and the GAE demo table."""
+"""The command line: a user's mistake is one `error:` line and exit 2 before any work; the GAE demo."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 
 from sao_jax.cli import evaluate_main, main
+from sao_jax.config import ConfigError
+
+# Each case: (files to write under tmp_path {name: text}, arguments with {tmp} for tmp_path, the words
+# the one error line must hold). Runs stop at the first mistake, so the rest of each command is valid.
+BAD_INPUTS = {
+    "yaml syntax error": ({"bad.yaml": "train:\n  steps: 3\n   eval_every: [1\n"},
+                          ["--config", "{tmp}/bad.yaml"], ["not valid YAML", "line 3", "bad.yaml"]),
+    "config file missing": ({}, ["--config", "{tmp}/none.yaml"], ["not found", "none.yaml"]),
+    "override value not yaml": ({}, ["train.steps=[1,"], ["train.steps=[1,", "not valid YAML"]),
+    "unknown key": ({}, ["critic.updates_per_polcy_update=1"],
+                    ["critic.updates_per_polcy_update", "did you mean critic.updates_per_policy_update"]),
+    "unknown env.name": ({}, ["env.name=calculater"], ["env.name", "did you mean calculator"]),
+    "unknown model.preset": ({}, ["model.preset=cpu_mo"], ["model.preset", "did you mean cpu_moe"]),
+    "unknown estimator": ({}, ["advantage.estimator=skip_obs_gae"], ["advantage.estimator", "skip_observation_gae"]),
+    "negative lr": ({}, ["policy.optimizer.lr=-1e-4"], ["policy.optimizer.lr", "> 0"]),
+    "negative train.steps": ({}, ["train.steps=-3"], ["train.steps", ">= 0"]),
+    "negative sft.steps": ({}, ["sft.steps=-5"], ["sft.steps", ">= 0"]),
+    "negative sft.batch_size": ({}, ["sft.batch_size=-4"], ["sft.batch_size", ">= 1"]),
+    "negative eps_low": ({}, ["loss.eps_low=-1"], ["loss.eps_low", "[0, 1]"]),
+    "no eval prompts": ({}, ["env.eval_prompts=0"], ["env.eval_prompts", ">= 1"]),
+    "zero temperature": ({}, ["rollout.temperature=0"], ["rollout.temperature", "> 0"]),
+    "pretrained folder missing": ({}, ["model.pretrained={tmp}/no_model"], ["no such folder", "no_model"]),
+    "pretrained config.json not json": (
+        {"model/config.json": "{not json", "model/tokenizer.json": "", "model/tokenizer_config.json": "{}"},
+        ["model.pretrained={tmp}/model"], ["config.json is not valid JSON", "model/config.json"]),
+    "train_file missing": ({}, ["env.train_file={tmp}/none.jsonl"], ["none.jsonl", "no such file", "env.train_file"]),
+    "train_file malformed": ({"bad.jsonl": '{"prompt": "Q", "answer": "1"}\n{"prompt": \n'},
+                             ["env.train_file={tmp}/bad.jsonl"], ["bad.jsonl, line 2", "not valid JSON", "env.train_file"]),
+    "train_file empty": ({"empty.jsonl": "\n"}, ["env.train_file={tmp}/empty.jsonl"],
+                         ["empty.jsonl", "no prompts", "env.train_file"]),
+    "eval_file malformed": ({"bad.jsonl": '{"answer": "1"}\n'}, ["env.eval_file={tmp}/bad.jsonl"],
+                            ["bad.jsonl, line 1", "prompt", "env.eval_file"]),
+    "output folder not writable": ({"file": "a file, not a folder"}, ["output_dir={tmp}/file/run"],
+                                   ["cannot write the folder", "file/run", "output_dir"]),
+    "checkpoint folder not writable": ({"file": ""}, ["train.checkpoint_dir={tmp}/file/ckpt"],
+                                       ["cannot write the folder", "file/ckpt", "train.checkpoint_dir"]),
+}  # fmt: skip
 
 
-def test_config_typo_is_a_one_line_error_naming_the_key(capsys, tmp_path):
-    assert main([f"output_dir={tmp_path}", "critic.updates_per_polcy_update=1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1
-    assert "critic.updates_per_polcy_update" in err and "did you mean critic.updates_per_policy_update" in err
-    assert not (tmp_path / "metrics.jsonl").exists()  # nothing started
+def write_files(tmp_path, files):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
 
 
-def test_unknown_estimator_and_loss_names_get_a_close_match(capsys):
-    assert main(["advantage.estimator=skip_obs_gae"]) == 2
-    assert "did you mean skip_observation_gae" in capsys.readouterr().err
-    assert main(["loss.name=dys"]) == 2
-    assert "did you mean dis" in capsys.readouterr().err
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_a_users_mistake_is_one_error_line_and_exit_2_before_any_work(case, tmp_path, capsys):
+    files, args, words = BAD_INPUTS[case]
+    write_files(tmp_path, files)
+    out = tmp_path / "out"
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    # A short tiny run, in case a mistake went unnoticed; the case's own arguments come last and win.
+    tiny = [f"output_dir={out}", "model.preset=tiny_qwen3_moe", "sft.steps=0", "critic.pretrain_rollouts=0",
+            "train.steps=0", "env.eval_prompts=1"]  # fmt: skip
+    assert main([*tiny, *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    for word in words:
+        assert word in err, (word, err)
+    assert not out.exists() or not any(out.iterdir())  # nothing written: no work was done
+
+
+def test_sao_eval_reports_a_users_mistake_the_same_way(tmp_path, capsys):
     assert evaluate_main(["train.mode=asynch"]) == 2
-    assert "train.mode must be sync or async" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == "error: train.mode must be sync or async (got 'asynch') in <defaults> with command-line overrides"
+    assert evaluate_main([f"model.pretrained={tmp_path}/none", f"output_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "no such folder" in err and f"{tmp_path}/none" in err
+
+
+def test_debug_shows_the_traceback_of_a_users_mistake():
+    with pytest.raises(ConfigError, match="train.steps must be >= 0"):
+        main(["--debug", "train.steps=-3"])
+
+
+def test_the_installed_command_prints_only_the_error_line(tmp_path):
+    """The real entry point, in a process of its own: no warning or log line joins the error line."""
+    (tmp_path / "bad.yaml").write_text("seed: [1\n")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-m", "sao_jax.cli", "--config", str(tmp_path / "bad.yaml")],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("error: not valid YAML"), done.stderr
+    assert str(tmp_path / "bad.yaml") in done.stderr and done.stdout == ""
 
 
 def test_gae_demo_prints_both_estimators(capsys):

@@ -331,6 +331,7 @@ def test_quick_caps_budgets_but_keeps_a_critic_free_row_without_value_pretrainin
 
 TINY = ["model.preset=tiny_qwen3_moe", "env.difficulty=[1]", "rollout.max_total_tokens=64",
         "rollout.max_action_tokens=24", "rollout.num_slots=4", "sft.steps=4", "critic.pretrain_rollouts=8",
+        "train.batch_size=8",
         "train.steps=3", "train.eval_every=3", "env.eval_prompts=8"]  # fmt: skip
 
 

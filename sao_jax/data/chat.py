@@ -53,11 +53,16 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from sao_jax.envs.base import STOP, Environment, Prompt, StepResult
+from sao_jax.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
 # Placeholder texts for deriving the turn structure; plain words so any template renders them verbatim.
 _USER, _ASSISTANT, _TOOL, _NEXT_USER = "SAOUSERTEXT", "SAOASSISTANTTEXT", "SAOTOOLTEXT", "SAONEXTUSERTEXT"
+
+
+class TokenizerFolderError(UserError, FileNotFoundError):
+    """A tokenizer folder (`model.pretrained`) that does not exist or lacks a tokenizer file."""
 
 
 class ChatTemplateError(ValueError):
@@ -162,10 +167,12 @@ class HFTokenizer:
         `chat_template`). Tokens listed in the config's `added_tokens_decoder` but missing from
         tokenizer.json are added; one whose id disagrees is an error."""
         folder = Path(path)
+        if not folder.is_dir():
+            raise TokenizerFolderError(f"no such folder ({folder})")
         files = {name: folder / name for name in ("tokenizer.json", "tokenizer_config.json")}
         for name, file in files.items():
             if not file.is_file():
-                raise FileNotFoundError(f"{folder}: no {name} (a Hugging Face tokenizer folder needs tokenizer.json "
+                raise TokenizerFolderError(f"{folder}: no {name} (a Hugging Face tokenizer folder needs tokenizer.json "
                                         "and tokenizer_config.json)")
         tokenizer = tokenizers.Tokenizer.from_file(str(files["tokenizer.json"]))
         where = str(files["tokenizer_config.json"])

@@ -33,11 +33,12 @@ import grain
 import jax
 
 from sao_jax.envs.base import Prompt
+from sao_jax.errors import UserError
 
 FIELDS = ("prompt", "answer", "id", "difficulty", "metadata")
 
 
-class DatasetError(ValueError):
+class DatasetError(UserError, ValueError):
     """A prompt file that cannot be read; the message names the file, the record and the field."""
 
 
@@ -59,6 +60,8 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             raise DatasetError(f"{where}: field 'id': {prompt.id} repeats the id of {first_seen[prompt.id]}")
         first_seen[prompt.id] = where
         prompts.append(prompt)
+    if not prompts:
+        raise DatasetError(f"{path}: no prompts in the file")
     return prompts
 
 

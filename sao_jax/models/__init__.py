@@ -3,6 +3,7 @@
 from sao_jax.models.config import (
     ModelConfig,
     ModelConfigError,
+    PRESETS,
     cpu_moe,
     glm45_air,
     param_count,
@@ -11,7 +12,7 @@ from sao_jax.models.config import (
     tiny_qwen3_moe,
 )
 from sao_jax.models.decoder import Critic, Decoder, Policy, compute_dtype_weights
-from sao_jax.models.hf import CheckpointError, from_pretrained, hf_tensor_specs, save_pretrained
+from sao_jax.models.hf import CheckpointError, from_pretrained, hf_tensor_specs, read_hf_config, save_pretrained
 from sao_jax.models.layers import KVCache
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "KVCache",
     "ModelConfig",
     "ModelConfigError",
+    "PRESETS",
     "Policy",
     "compute_dtype_weights",
     "cpu_moe",
@@ -29,6 +31,7 @@ __all__ = [
     "hf_tensor_specs",
     "param_count",
     "qwen3_30b_a3b",
+    "read_hf_config",
     "save_pretrained",
     "tiny_glm4_moe",
     "tiny_qwen3_moe",

@@ -542,6 +542,11 @@ def glm45_air(**overrides) -> ModelConfig:
     return config.replace(**overrides)
 
 
+PRESETS = {"cpu_moe": cpu_moe, "tiny_qwen3_moe": tiny_qwen3_moe, "tiny_glm4_moe": tiny_glm4_moe,
+           "qwen3_30b_a3b": qwen3_30b_a3b, "glm45_air": glm45_air}  # fmt: skip
+"""The config's `model.preset` names: each `(vocab_size=…, **overrides) -> ModelConfig`."""
+
+
 # --- parameter counts ----------------------------------------------------------------------------
 
 

@@ -28,6 +28,7 @@ from jax.sharding import Mesh, NamedSharding
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from sao_jax.errors import UserError
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.decoder import Critic, Policy, ValueHead
 from sao_jax.models.sharding import DEFAULT_RULES, LogicalRules, logical_to_spec
@@ -38,8 +39,8 @@ MODEL_KINDS = {"policy": Policy, "critic": Critic}
 FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # transformers 5.x's in-memory names
 
 
-class CheckpointError(ValueError):
-    """A checkpoint folder that does not match the model its config.json describes."""
+class CheckpointError(UserError, ValueError):
+    """A checkpoint folder that is missing, unreadable, or does not match the model its config.json describes."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +145,21 @@ def _dtype_name(dtype) -> str:
     return jnp.dtype(dtype).name
 
 
+def read_hf_config(folder: str | Path) -> dict:
+    """The `config.json` of a Hugging Face folder; a `CheckpointError` naming the path when the folder
+    or the file is missing or the file is not JSON."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise CheckpointError(f"no such folder ({folder})")
+    path = folder / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"no config.json in {folder}")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"config.json is not valid JSON ({e.msg}, line {e.lineno} column {e.colno}) ({path})") from None
+
+
 def from_pretrained(
     path,
     *,
@@ -170,10 +186,8 @@ def from_pretrained(
         raise ValueError(f"from_pretrained kind must be one of {sorted(MODEL_KINDS)} (got {kind!r})")
     if kind == "critic" and rngs is None:
         raise ValueError("from_pretrained(kind='critic') needs rngs= for the fresh value head")
-    if not (folder / "config.json").exists():
-        raise CheckpointError(f"no config.json in {folder}")
     config = ModelConfig.from_hf(
-        json.loads((folder / "config.json").read_text()),
+        read_hf_config(folder),
         dtype=_dtype_name(dtype),
         param_dtype=_dtype_name(param_dtype or dtype),
         **config_overrides,

@@ -45,7 +45,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sao_jax.config import Config
+from sao_jax.config import Config, ConfigError
 from sao_jax.models import compute_dtype_weights, sharding
 from sao_jax.rollout import agent_loop as agent_loop_lib
 from sao_jax.rollout.trajectory import Trajectory, TrajectoryBatch
@@ -111,7 +111,7 @@ class Cluster:
         by_process = _devices_by_process(jax.devices())
         local = by_process[jax.process_index()]
         if split >= len(local):
-            raise ValueError(f"mesh.rollout_devices={split} must be less than the {len(local)} devices of each "
+            raise ConfigError(f"mesh.rollout_devices={split} must be less than the {len(local)} devices of each "
                              "process: the others train")  # fmt: skip
         mesh = sharding.make_mesh(config.mesh.shape(), devices=[d for row in by_process for d in row[split:]])
         rows = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -119,7 +119,7 @@ class Cluster:
         batches += [("sft.batch_size", config.sft.batch_size)] if config.sft.steps else []
         for key, size in batches:
             if size % rows:
-                raise ValueError(f"{key}={size} must be a multiple of mesh data x fsdp = {rows}: "
+                raise ConfigError(f"{key}={size} must be a multiple of mesh data x fsdp = {rows}: "
                                  "the batch's rows are split over them")
         log.info("process %d of %d: train state on the mesh %s%s", jax.process_index(), jax.process_count(),
                  " ".join(f"{axis}={size}" for axis, size in mesh.shape.items()),

@@ -29,17 +29,17 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from sao_jax import models
-from sao_jax.advantages import unassigned_reward
+from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, abstract_state
-from sao_jax.config import Config, to_dict
+from sao_jax.config import Config, OptimizerConfig, to_dict
 from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
-from sao_jax.data.datasets import read_prompts
+from sao_jax.data.datasets import DatasetError, read_prompts
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import Prompt, environment_class
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.models import sharding
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
-from sao_jax.outputs import OutputMirror, is_url, join
+from sao_jax.outputs import OutputMirror, check_writable, is_url, join
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
@@ -103,14 +103,16 @@ def build_run(config: Config) -> Run:
     uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set."""
     cluster = Cluster.for_config(config)
     env_cls = environment_class(config.env.name)
-    train_prompts = prompt_pool(config, env_cls, config.env.train_file, config.env.train_prompts, _RL)
-    eval_prompts = prompt_pool(config, env_cls, config.env.eval_file, config.env.eval_prompts, _EVAL)
+    env = config.env
+    train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, _RL, key="env.train_file")
+    eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, _EVAL, key="env.eval_file")
     model = config.model
     overrides = {name: value for name, value in
                  (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype),
                   ("attention", model.attention))
                  if value is not None} | ({"remat": True} if model.remat else {})  # fmt: skip
     if model.pretrained:
+        models.read_hf_config(model.pretrained)  # a missing folder or broken config.json: named before anything loads
         tokenizer = HFTokenizer.from_folder(model.pretrained)
         chat_format = ChatFormat.from_tokenizer(tokenizer)
         policy = models.from_pretrained(model.pretrained, mesh=cluster.mesh, **overrides)
@@ -119,7 +121,7 @@ def build_run(config: Config) -> Run:
                              f"more than the model's vocab_size {policy.config.vocab_size}")
     else:
         tokenizer, chat_format = CharTokenizer(), None
-        preset = getattr(models, model.preset)
+        preset = models.PRESETS[model.preset]
 
         def make_policy():
             return models.Policy(preset(vocab_size=tokenizer.vocab_size, **overrides), rngs=nnx.Rngs(config.seed))
@@ -132,11 +134,15 @@ def build_run(config: Config) -> Run:
                chat_format)  # fmt: skip
 
 
-def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int) -> list[Prompt]:
-    """The prompts of `file` (`read_prompts`), or `size` that the environment generates with the rng
-    (seed, stream). Each prompt's id becomes its index in the pool: per-prompt baselines key on it."""
+def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int, *, key: str) -> list[Prompt]:
+    """The prompts of `file` (`read_prompts`; its errors name the config `key`), or `size` that the
+    environment generates with the rng (seed, stream). Each prompt's id becomes its index in the pool:
+    per-prompt baselines key on it."""
     if file is not None:
-        prompts = read_prompts(file)
+        try:
+            prompts = read_prompts(file)
+        except DatasetError as e:
+            raise DatasetError(f"{e} ({key})") from None
     else:
         difficulty = list(config.env.difficulty) or None
         prompts = env_cls.generate_prompts(np.random.default_rng([config.seed, stream]), size, difficulty)
@@ -251,8 +257,7 @@ def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: l
     if cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
         raise ValueError(f"sft.weak_demonstration_fraction: environment {run.config.env.name!r} has no weak "
                          "demonstrator (set it to 0)")
-    tx = adamw(learning_rate_schedule(cfg.optimizer.lr, warmup_steps=cfg.optimizer.warmup_steps),
-               max_grad_norm=cfg.optimizer.max_grad_norm)  # fmt: skip
+    tx = optimizer(cfg.optimizer)
     update = run.cluster.step(make_sft_update(graph, buffers, tx))
     params = run.cluster.place(params)
     opt_state = run.cluster.place(tx.init(params))
@@ -295,7 +300,8 @@ def demonstration_probe(run: Run, graph, buffers):
     (prompts of their own stream, or the first of `env.eval_file`); the token where the weaker
     demonstrator would branch off is the free choice left out (`sft.choice_mask`)."""
     config = run.config
-    prompts = prompt_pool(config, run.env_cls, config.env.eval_file, config.sft.probe_prompts, _SFT_PROBE)
+    prompts = prompt_pool(config, run.env_cls, config.env.eval_file, config.sft.probe_prompts, _SFT_PROBE,
+                         key="env.eval_file")
     prompts = prompts[: config.sft.probe_prompts]
     add_bos = run.chat_format is None
     gold, free = [], []
@@ -318,17 +324,15 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     consumed (its buffers are donated)."""
     config = run.config
     cfg = config.critic
-    critic_free = steps_lib.ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
+    critic_free = ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
     if cfg.pretrain_rollouts == 0 or critic_free:  # critic-free baselines never read the critic
         return run.cluster.place(state.replace(critic_opt_state=critic_tx.init(state.critic_params)))
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, _VALUE_PRETRAIN])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.pretrain_rollouts)]
     corpus, failed = usable(rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1)))
-    # All critic parameters train here (ours): the freeze applies to RL, where the paper reports it.
-    tx = steps_lib.guard_nonfinite(adamw(cfg.pretrain_lr))
-    value_update = run.cluster.step(
-        jax.jit(steps_lib.sequence(steps_lib.make_value_update(graphs, tx, config)), donate_argnums=0))
+    tx, value_update = value_pretraining_update(graphs, config)
+    value_update = run.cluster.step(value_update)
     pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
     batch_size = config.train.batch_size
     for epoch in tqdm(range(cfg.pretrain_epochs), desc="value pretraining", leave=False):
@@ -344,24 +348,36 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     return run.cluster.place(pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params)))
 
 
+def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
+    """(optimizer, jitted value update) of value pretraining: `critic.pretrain_lr`, on the leaves of
+    `critic.pretrain_trainable_patterns` (None: `critic.trainable_patterns`, as in RL)."""
+    cfg = config.critic
+    trainable = cfg.trainable_patterns if cfg.pretrain_trainable_patterns is None else cfg.pretrain_trainable_patterns
+    tx = steps_lib.guard_nonfinite(train_only(adamw(cfg.pretrain_lr), trainable))
+    update = steps_lib.make_value_update(graphs, tx, config, trainable)
+    return tx, jax.jit(steps_lib.sequence(update), donate_argnums=0)
+
+
+def optimizer(cfg: OptimizerConfig):
+    """AdamW of an `optimizer` section: its learning rate warmed up linearly over `warmup_steps` updates."""
+    lr = learning_rate_schedule(cfg.lr, warmup_steps=cfg.warmup_steps)
+    return adamw(lr, max_grad_norm=cfg.max_grad_norm, weight_decay=cfg.weight_decay)
+
+
 def make_optimizers(config: Config):
-    policy_tx = steps_lib.guard_nonfinite(
-        adamw(config.policy.optimizer.lr, max_grad_norm=config.policy.optimizer.max_grad_norm,
-              weight_decay=config.policy.optimizer.weight_decay)  # fmt: skip
-    )
-    critic_tx = steps_lib.guard_nonfinite(
-        train_only(
-            adamw(config.critic.optimizer.lr, max_grad_norm=config.critic.optimizer.max_grad_norm,
-                  weight_decay=config.critic.optimizer.weight_decay),  # fmt: skip
-            config.critic.trainable_patterns,
-        )
-    )
+    """(policy, critic) optimizers of RL (`optimizer`; the critic makes K updates a step), the critic's
+    on `critic.trainable_patterns` only."""
+    policy_tx = steps_lib.guard_nonfinite(optimizer(config.policy.optimizer))
+    critic_tx = steps_lib.guard_nonfinite(train_only(optimizer(config.critic.optimizer), config.critic.trainable_patterns))
     return policy_tx, critic_tx
 
 
 def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     """Run the whole job; returns the final summary (also written to OUTDIR/summary.json). Run as
     several processes, each process does its part (`sao_jax.train.distributed`)."""
+    check_writable(config.output_dir, "output_dir")
+    if config.train.checkpoint_dir is not None:
+        check_writable(config.train.checkpoint_dir, "train.checkpoint_dir")
     # A URL output_dir is written through a local mirror, pushed after each checkpoint (sao_jax.outputs).
     mirror = OutputMirror.fresh(config.output_dir, jax.process_index()) if is_url(config.output_dir) else None
     out = Path(config.output_dir) if mirror is None else mirror.local
@@ -559,6 +575,14 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     return {"step": step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), policy_weights(state, graphs))}
 
 
+def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
+    """What RL step `step` (1-based) does: (critic-only warmup, evaluate after it, checkpoint after it)."""
+    cfg = config.train
+    last = step == cfg.steps
+    return (step <= config.critic.warmup_steps, step % cfg.eval_every == 0 or last,
+            step % cfg.checkpoint_every == 0 or last)  # fmt: skip
+
+
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int):
     config = run.config
     cfg = config.train
@@ -567,7 +591,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
     weights = policy_weights(state, graphs)
     source = (StreamingBatches(run, rollout_loop, weights, start_step) if cfg.mode == "async"
               else LockstepBatches(run, rollout_loop))  # fmt: skip
-    reads_reference = steps_lib.ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
+    reads_reference = ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
     schedule = run.env_kwargs.get("schedule")  # style_shift's target-style schedule, moved per step
 
     def gold_tokens(trajectory: Trajectory):
@@ -593,20 +617,20 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             lost = float(np.abs(unassigned_reward(batch.rewards, batch.action_mask)).sum())
             if lost > 0:
                 raise RuntimeError(f"step {step}: reward {lost} sits before the first action token and cannot be credited")
-            warmup = step <= config.critic.warmup_steps
+            warmup, evaluates, checkpoints = rl_schedule(config, step)
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
             line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls),
                     **style_metrics(kept, schedule), **source_metrics, **jax.device_get(metrics),
                     "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
-            if step % cfg.eval_every == 0 or step == cfg.steps:
+            if evaluates:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))
                 last_eval = line["eval/success_rate"]
             written = writer.write(step, line)
             bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
                             eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
-            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            if checkpoints:
                 checkpointer.save(step, state, {"step": step})
     finally:
         source.close()

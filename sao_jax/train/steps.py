@@ -7,13 +7,15 @@
 - `policy_update`: values recomputed with the *updated* critic, advantages with λ_policy (fixed or
   length-adaptive), then one optimizer step on the configured policy loss (DIS by default).
 - `critic_warmup_step = repeat(value_update, K)`: the critic-only steps before the first policy update.
+- With `loss.value_clip_eps` set, each of the K value updates is clipped around the critic's values
+  before the first (`critic_updates`).
 
 Critic-free rows (running mean, GRPO, RLOO, TRACE) skip the critic: ttur_step = policy_update. Group
 estimators read a batch whose rows come in whole groups (`check_whole_groups`); TRACE also reads a frozen
 reference policy (`TrainState.reference_params`) and a `TraceBatch` (`trace_batch`).
 
 Every step is `(state, batch, key) -> (state, metrics)`, jitted once per batch shape. The variants
-the paper compares are rows of `ADVANTAGE_ESTIMATORS` and `losses.POLICY_LOSSES`, looked up once
+the paper compares are rows of `advantages.ADVANTAGE_ESTIMATORS` and `losses.POLICY_LOSSES`, looked up once
 when the steps are built. A non-finite loss or gradient skips that update (`optax.apply_if_finite`:
 parameters and optimizer moments unchanged) and is counted in `*/skipped_updates`.
 
@@ -140,44 +142,6 @@ def in_micro_batches(forward, tokens: jax.Array, valid_mask: jax.Array, micro_ba
 
 
 # ------------------------------------------------------------------------------------ advantages
-
-
-@dataclasses.dataclass(frozen=True)
-class Estimator:
-    """One row of the advantage table.
-
-    gae: `(batch, values, gamma, lam) -> (advantages, returns)` for critic-based rows, else None.
-    value_mask: `batch -> mask` of the tokens the critic is trained on.
-    grouped: compares the G = `advantage.group_size` rollouts of a prompt (needs G >= 2).
-    reference: reads the frozen reference policy and a `TraceBatch`.
-    """
-
-    gae: Callable[..., tuple[jax.Array, jax.Array]] | None
-    value_mask: Callable[[TrajectoryBatch], jax.Array] = lambda b: b.action_mask
-    grouped: bool = False
-    reference: bool = False
-
-
-def _on_batch(fn, **fixed):
-    return lambda b, values, gamma, lam: fn(b.rewards, values, b.action_mask, gamma=gamma, lam=lam, **fixed)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
-    "skip_observation_gae": Estimator(_on_batch(adv.skip_observation_gae)),
-    "cross_observation_gae": Estimator(
-        lambda b, values, gamma, lam: adv.cross_observation_gae(
-            b.rewards, values, b.action_mask, b.valid_mask, gamma=gamma, lam=lam
-        ),
-        value_mask=lambda b: b.valid_mask,  # (ours) every valid token is a step, so every one has a target
-    ),
-    "step_gae_mean": Estimator(_on_batch(adv.step_gae, value_reduce="mean")),
-    "step_gae_last": Estimator(_on_batch(adv.step_gae, value_reduce="last")),
-    # Critic-free rows: one outcome advantage per sequence, on all of its action tokens.
-    "running_mean": Estimator(None),
-    "grpo": Estimator(None, grouped=True),
-    "rloo": Estimator(None, grouped=True),
-    "trace": Estimator(None, grouped=True, reference=True),
-}
 
 
 def check_whole_groups(prompt_id: np.ndarray, group_size: int) -> None:
@@ -358,25 +322,32 @@ def guard_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransform
     return optax.apply_if_finite(tx, max_consecutive_errors=_NEVER_APPLY_NONFINITE)
 
 
-def make_value_update(graphs: Graphs, critic_tx, config: Config) -> Update:
-    """One critic step on targets G = GAE(λ_critic) computed from the critic's own values."""
-    estimator = ADVANTAGE_ESTIMATORS[config.advantage.estimator]
+def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequence[str]) -> Update:
+    """One critic step on targets G = GAE(λ_critic) computed from the critic's own values.
+
+    `trainable`: the parameter patterns `critic_tx` was made with (`optim.train_only`); the other
+    leaves get zero gradients, which XLA then does not compute. The update takes an optional
+    `old_values` `[batch, time]`: given, the value loss is clipped to ±`loss.value_clip_eps` around
+    them (`losses.value_loss`; `build_steps` passes the critic's values before a step's K updates).
+    """
+    estimator = adv.ADVANTAGE_ESTIMATORS[config.advantage.estimator]
     gamma, lam = config.advantage.gamma, config.advantage.lam_critic
     aux_coef = graphs.critic_aux_coef
-    trainable = config.critic.trainable_patterns
+    trainable = tuple(trainable)
 
-    def value_update(state: TrainState, batch: TrajectoryBatch, key: jax.Array):
+    def value_update(state: TrainState, batch: TrajectoryBatch, key: jax.Array, old_values=None):
         del key  # deterministic; the signature is shared by all steps
         mask = estimator.value_mask(batch)
+        clip_eps = None if old_values is None else config.loss.value_clip_eps
 
         def loss_fn(params):
             values, aux_loss = critic_values(graphs.critic, params, state.critic_buffers, batch, config)
             _, targets = estimator.gae(batch, jax.lax.stop_gradient(values), gamma, lam)
-            loss, metrics = losses.value_loss(values, targets, mask)
+            loss, metrics = losses.value_loss(values, targets, mask, old_values=old_values, clip_eps=clip_eps)
             return loss + aux_coef * aux_loss, {**metrics, "value_loss": loss, "router_aux_loss": aux_loss}
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.critic_params)
-        grads = optim.zero_frozen(grads, trainable)  # frozen attention: no weight gradients computed
+        grads = optim.zero_frozen(grads, trainable)
         params, opt_state = _optimizer_step(critic_tx, state.critic_params, state.critic_opt_state, grads)
         metrics |= {"grad_norm": optax.global_norm(grads), "skipped_updates": skipped_updates(opt_state)}
         state = state.replace(critic_params=params, critic_opt_state=opt_state)
@@ -385,10 +356,24 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config) -> Update:
     return value_update
 
 
+def critic_updates(value_update: Update, times: int, graphs: Graphs, config: Config) -> Update:
+    """`repeat(value_update, times)`; with `loss.value_clip_eps` set, every update is clipped around
+    the values of the critic before the first (PPO's V_old: the values before any update on this batch)."""
+    if config.loss.value_clip_eps is None:
+        return repeat(value_update, times)
+
+    def clipped(state, batch, key):
+        old_values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
+        anchored = functools.partial(value_update, old_values=jax.lax.stop_gradient(old_values))
+        return repeat(anchored, times)(state, batch, key)
+
+    return clipped
+
+
 def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
     """Advantages with λ_policy from the current critic (or a critic-free baseline), one policy step."""
     name = config.advantage.estimator
-    estimator = ADVANTAGE_ESTIMATORS[name]
+    estimator = adv.ADVANTAGE_ESTIMATORS[name]
     loss_cfg = config.loss
     policy_loss = _bind_policy_loss(loss_cfg)
     needs_old = loss_cfg.name in ("ppo_clip", "icepop")
@@ -486,29 +471,23 @@ class Steps(NamedTuple):
     policy_update: Update
 
 
-def _estimator(config: Config) -> Estimator:
-    name = config.advantage.estimator
-    if name not in ADVANTAGE_ESTIMATORS:
-        raise ValueError(f"advantage.estimator must be one of {sorted(ADVANTAGE_ESTIMATORS)} (got {name!r})")
-    return ADVANTAGE_ESTIMATORS[name]
-
-
 def build_steps(graphs: Graphs, policy_tx, critic_tx, config: Config) -> Steps:
     """Look the variants up once and compose: ttur_step = sequence(repeat(value_update, K), policy_update).
 
     `policy_tx` / `critic_tx` must be the transforms the state's optimizer states were made with
-    (`make_train_state` wraps them in `guard_nonfinite`). Critic-free estimators skip the critic.
+    (`make_train_state` wraps them in `guard_nonfinite`), the critic's restricted to
+    `critic.trainable_patterns` (`optim.train_only`). Critic-free estimators skip the critic.
     """
-    estimator = _estimator(config)
-    value_update = make_value_update(graphs, critic_tx, config)
+    estimator = adv.ADVANTAGE_ESTIMATORS[config.advantage.estimator]
+    value_update = make_value_update(graphs, critic_tx, config, config.critic.trainable_patterns)
     policy_update = make_policy_update(graphs, policy_tx, config)
-    k = config.critic.updates_per_policy_update
     if estimator.gae is None:
         ttur = sequence(policy_update)
         warmup = sequence(lambda state, batch, key: (state, {}))
     else:
-        ttur = sequence(repeat(value_update, k), policy_update)
-        warmup = sequence(repeat(value_update, k))
+        k_value_updates = critic_updates(value_update, config.critic.updates_per_policy_update, graphs, config)
+        ttur = sequence(k_value_updates, policy_update)
+        warmup = sequence(k_value_updates)
     jit = functools.partial(jax.jit, donate_argnums=0)
     return Steps(
         ttur_step=jit(ttur),
@@ -532,6 +511,7 @@ def make_train_state(
     policy_graph, policy_params, policy_buffers = split_model(policy)
     critic_graph, critic_params, critic_buffers = split_model(critic)
     scope_keys = num_prompts if config.advantage.running_mean_scope == "per_prompt" else 1
+    estimator = adv.ADVANTAGE_ESTIMATORS[config.advantage.estimator]
     state = TrainState(
         policy_params=policy_params,
         policy_buffers=policy_buffers,
@@ -541,7 +521,7 @@ def make_train_state(
         critic_opt_state=critic_tx.init(critic_params),
         baseline=adv.running_mean_init(scope_keys, config.advantage.running_mean_window),
         step=jnp.zeros((), jnp.int32),
-        reference_params=jax.tree.map(jnp.copy, policy_params) if _estimator(config).reference else None,
+        reference_params=jax.tree.map(jnp.copy, policy_params) if estimator.reference else None,
     )
     graphs = Graphs(
         policy=policy_graph,

@@ -161,7 +161,7 @@ def test_sft_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypa
     assert [line["sft/step"] for line in checks] == [1, 3, 5]
     assert lines[-1]["sft/step"] == 5 and lines[-1]["sft/stopped_at_target"] == 0
 
-    prompts = loop.prompt_pool(config, run.env_cls, None, 3, loop._SFT_PROBE)
+    prompts = loop.prompt_pool(config, run.env_cls, None, 3, loop._SFT_PROBE, key="env.eval_file")
     graph, _, buffers = split_model(run.policy)
     model = nnx.merge(graph, params, buffers)
     expected = []

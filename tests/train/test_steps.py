@@ -1,6 +1,7 @@
 """The training steps: TTUR composition checked against the same sequence written out by hand."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,9 +14,10 @@ from sao_jax import advantages as adv
 from sao_jax import losses
 from sao_jax.config import load_config
 from sao_jax.models import Critic, Policy, tiny_qwen3_moe
-from sao_jax.optim import adamw, label_params, train_only
+from sao_jax.optim import adamw, label_params, param_paths, train_only
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
+from sao_jax.train.loop import make_optimizers, value_pretraining_update
 
 K = 2
 
@@ -80,7 +82,7 @@ def hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, **sett
 
 
 def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx, gamma=1.0, lam_critic=1.0,
-                       lam_policy=None, policy=True):  # fmt: skip
+                       lam_policy=None, policy=True, value_clip_eps=None):  # fmt: skip
     critic_params, critic_opt = state.critic_params, state.critic_opt_state
 
     def critic_forward(params):
@@ -88,13 +90,15 @@ def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx, ga
         raw, _, aux = model.forward(batch.tokens, attention_mask=batch.valid_mask)
         return jnp.concatenate([jnp.zeros_like(raw[:, :1]), raw[:, :-1]], axis=1), aux
 
+    # PPO's value clipping: around the values of the critic before the step's K updates.
+    clip = {} if value_clip_eps is None else {"old_values": critic_forward(critic_params)[0], "clip_eps": value_clip_eps}
     for _ in range(K):
         def value_objective(params):
             values, aux = critic_forward(params)
             _, targets = adv.skip_observation_gae(
                 batch.rewards, jax.lax.stop_gradient(values), batch.action_mask, gamma=gamma, lam=lam_critic
             )
-            return losses.value_loss(values, targets, batch.action_mask)[0] + graphs.critic_aux_coef * aux
+            return losses.value_loss(values, targets, batch.action_mask, **clip)[0] + graphs.critic_aux_coef * aux
 
         grads = jax.grad(value_objective)(critic_params)
         updates, critic_opt = critic_tx.update(grads, critic_opt, critic_params)
@@ -157,6 +161,22 @@ def test_ttur_step_takes_gamma_and_both_lambdas_from_the_config(setup):
     assert_params_close(new_state.policy_params, expected_policy)
 
 
+def test_value_clip_eps_clips_the_k_critic_updates_around_the_critic_before_them(setup):
+    _, state, graphs, _, policy_tx, critic_tx = setup
+    config = load_config(None, ["critic.optimizer.lr=1.0", "policy.optimizer.lr=1.0", "loss.eps_low=0.99",
+                                "loss.eps_high=100.0", "loss.value_clip_eps=0.002"])  # fmt: skip
+    steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
+    batch = synthetic_batch(seed=7)
+    clipped, _ = hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, policy=False,
+                                   value_clip_eps=0.002)  # fmt: skip
+    unclipped, _ = hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, policy=False)
+    new_state, metrics = steps.critic_warmup_step(copy_state(state), batch, jax.random.key(0))
+    assert_params_close(new_state.critic_params, clipped)
+    gaps = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), clipped, unclipped))
+    assert max(gaps) > 1e-3  # the clip binds on the second update
+    assert float(metrics["critic/clip_fraction"]) > 0
+
+
 def test_critic_warmup_step_is_k_critic_updates_and_leaves_the_policy(setup):
     config, state, graphs, steps, policy_tx, critic_tx = setup
     batch = synthetic_batch(seed=6)
@@ -190,6 +210,62 @@ def test_frozen_attention_leaves_are_bit_identical_after_a_step(setup):
     assert "frozen" in flat_labels and "trainable" in flat_labels
     for label, changed in zip(flat_labels, flat_moved):
         assert changed == (label == "trainable"), (label, changed)
+
+
+def moved_paths(before, after) -> set[str]:
+    paths = param_paths(before)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, after))
+    assert len(paths) == len(moved)
+    return {path for path, changed in zip(paths, moved) if changed}
+
+
+def in_rl_set(path: str) -> bool:
+    """The default `critic.trainable_patterns` written as a plain predicate: MoE projections and value head."""
+    return "value_head/" in path or re.search(r"(^|/)mlp/(router|experts|shared_experts)/", path) is not None
+
+
+@pytest.mark.parametrize(("pretrain_patterns", "pretrained"), [
+    (None, in_rl_set),  # the default: the RL set
+    ('[".*"]', lambda path: True),
+    ('["(.*/)?value_head/.*"]', lambda path: path.startswith("value_head/")),
+])  # fmt: skip
+def test_value_pretraining_trains_its_patterns_and_the_rl_critic_update_the_rl_set(setup, pretrain_patterns, pretrained):
+    _, state, graphs, *_ = setup
+    overrides = [] if pretrain_patterns is None else [f"critic.pretrain_trainable_patterns={pretrain_patterns}"]
+    config = load_config(None, overrides)
+    paths = param_paths(state.critic_params)
+    assert any(in_rl_set(p) for p in paths) and not all(in_rl_set(p) for p in paths)
+    batch = synthetic_batch(seed=8)
+
+    tx, pretrain_update = value_pretraining_update(graphs, config)
+    start = copy_state(state).replace(critic_opt_state=tx.init(state.critic_params))
+    pretrained_state, _ = pretrain_update(start, batch, jax.random.key(0))
+    assert moved_paths(state.critic_params, pretrained_state.critic_params) == {p for p in paths if pretrained(p)}
+
+    policy_tx, critic_tx = make_optimizers(config)
+    rl_state = pretrained_state.replace(critic_opt_state=critic_tx.init(pretrained_state.critic_params),
+                                        policy_opt_state=policy_tx.init(state.policy_params))  # fmt: skip
+    rl_steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
+    before = copy_state(rl_state.critic_params)
+    after, _ = rl_steps.critic_warmup_step(rl_state, batch, jax.random.key(1))
+    assert moved_paths(before, after.critic_params) == {p for p in paths if in_rl_set(p)}
+
+
+@pytest.mark.parametrize("section", ["policy", "critic"])
+def test_rl_optimizers_warm_the_learning_rate_up_linearly(section):
+    """Adam's update of a constant gradient is -lr·g/(|g| + ε) ≈ -lr·sign(g) at every step, so the
+    parameter's moves are the learning rates: lr·t/W for t < W updates, then lr."""
+    lr, warmup = 0.1, 4
+    config = load_config(None, [f"{section}.optimizer.lr={lr}", f"{section}.optimizer.warmup_steps={warmup}",
+                                "critic.trainable_patterns=[.*]"])  # fmt: skip
+    tx = make_optimizers(config)[0 if section == "policy" else 1]
+    params = {"w": jnp.zeros(3)}
+    opt_state = tx.init(params)
+    moves = []
+    for _ in range(6):
+        updates, opt_state = tx.update({"w": jnp.full(3, 0.5)}, opt_state, params)
+        moves.append(float(-updates["w"][0]))
+    np.testing.assert_allclose(moves, [0.0, 0.025, 0.05, 0.075, 0.1, 0.1], rtol=1e-4, atol=1e-9)
 
 
 def test_nan_reward_skips_the_update_and_is_counted(setup):
