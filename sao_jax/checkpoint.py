@@ -1,12 +1,24 @@
-"""Orbax checkpoints of a whole run: the train-state pytree plus JSON-able host state.
+"""Orbax checkpoints of a whole run that verify themselves.
 
-`OUTDIR/checkpoints/<step>/` holds `state` (the `TrainState` pytree: both models, both optimizer
-states, baseline windows, step) and `host` (JSON: data-iterator position, environment schedule
-position, the engine's bookkeeping, the config). Saves are asynchronous; the last `keep` are kept.
+`CHECKPOINT_DIR/<step>/` holds four items:
+
+- `state`: the `TrainState` pytree (both models, both optimizer states, baseline windows, step);
+- `digest`: one 32-bit checksum per array of `state` (`checksums`), computed on the devices when the
+  save starts;
+- `config`: the resolved config the run was saved under;
+- `host`: what the trainer needs besides the arrays — the step and, in async mode, each process's
+  position in its prompt stream (`StreamingBatches.host_state`).
+
+Saves are asynchronous; the last `keep` are kept. A save Orbax declines (a step not newer than the
+newest one present) raises instead of being dropped.
 
 Orbax writes each step under a temporary name and renames it when complete, so a process killed
-mid-save leaves no step that looks finished. A step that is finished but unreadable (a corrupted
-file) is reported and skipped: `restore_latest` falls back to the newest step that restores.
+mid-save leaves no step that looks finished. A finished step that does not restore, whose arrays do
+not match their digests or hold NaN/inf, is unreadable: `restore_latest` says so in one line and
+falls back to the next newest step, and the trainer moves unreadable steps newer than the one it
+resumes from aside (`<step>.unreadable`) so the redone saves can land. Before any array is read the
+stored config is compared with the run's (`config_changes`): a difference outside
+`RESUMABLE_CHANGES` is a `ResumeError`.
 
 In a multi-process run every process calls `save` and `restore` with its arrays on the global mesh;
 Orbax writes each array's shards from the processes that hold them (the directory must be shared).
@@ -16,18 +28,42 @@ Orbax writes directly (`etils.epath`).
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import gc
+import json
 import logging
-from collections.abc import Callable
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from sao_jax.outputs import is_url
+from sao_jax.errors import UserError
+from sao_jax.outputs import free_name, is_url
 
 log = logging.getLogger(__name__)
+
+# Config keys that may differ on resume without `--allow-config-change`: where the run writes and
+# logs, how long it runs, how often it evaluates and saves. Every other key shapes what is trained.
+RESUMABLE_CHANGES = (
+    "output_dir", "sft.cache_dir", "train.steps", "train.eval_every", "train.checkpoint_every",
+    "train.keep_checkpoints", "train.checkpoint_dir", "train.wandb", "train.wandb_project",
+)  # fmt: skip
+
+# Loggers that report an unreadable step at length (tracebacks, a whole TensorStore spec) while
+# `restore_latest` already reports it in one line.
+_NOISY_LOGGERS = ("absl", "asyncio", "orbax")
+
+
+class ResumeError(UserError):
+    """The run cannot start or continue from its folder as asked; the message is one line for the user."""
 
 
 def abstract_state(state: Any) -> Any:
@@ -42,25 +78,134 @@ def checkpoint_path(directory: str | Path) -> epath.Path:
     return path if is_url(directory) else path.absolute()
 
 
-class Checkpointer:
-    """Save and restore `(state pytree, host dict)` pairs by step under `directory`."""
+def holds_checkpoints(directory: str | Path) -> bool:
+    """Whether `directory` holds a step folder, finished (`<step>`) or interrupted
+    (`<step>.orbax-checkpoint-tmp-*`), found without creating the folder."""
+    path = checkpoint_path(directory)
+    return path.is_dir() and any(child.name.split(".")[0].isdigit() for child in path.iterdir())
 
-    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True,
+
+def _words(x: jax.Array) -> jax.Array:
+    """The array's bytes as uint32 words, one per element (two for an 8-byte element)."""
+    if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        x = x.astype(jnp.uint8)
+    width = x.dtype.itemsize
+    if width == 8:
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[width]).astype(jnp.uint32)
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+    """Σ w_i·(2i + 1) mod 2³² over the words w_i in row-major order i: any change of one word changes it
+    (odd weights are invertible mod 2³²); a change of several goes unseen with a chance of about 2⁻³²."""
+    words = _words(x)
+    strides = np.cumprod((1,) + words.shape[:0:-1])[::-1] if words.ndim else ()
+    index = sum((jax.lax.broadcasted_iota(jnp.uint32, words.shape, d) * jnp.uint32(int(s) % 2**32)
+                 for d, s in enumerate(strides)), jnp.uint32(0))  # fmt: skip
+    return jnp.sum(words * (2 * index + 1), dtype=jnp.uint32)
+
+
+@jax.jit
+def _verify_values(state: Any) -> tuple[Any, Any]:
+    """(checksum, finite) per array of `state`."""
+    finite = lambda x: jnp.all(jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.bool_(True)  # noqa: E731
+    return jax.tree.map(_checksum, state), jax.tree.map(finite, state)
+
+
+def _by_path(tree: Any) -> dict[str, Any]:
+    return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def checksums(state: Any) -> dict[str, int]:
+    """Each array's checksum (`_checksum`), keyed by its path in `state`."""
+    return {path: int(value) for path, value in _by_path(jax.device_get(_verify_values(state)[0])).items()}
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` → `{"a.b": 1}`."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    """`key: old → new` for every key whose value differs between two config dicts, outside
+    `RESUMABLE_CHANGES`."""
+    old, new = (_flat(json.loads(json.dumps(config, default=str))) for config in (saved, current))  # as stored
+    return [f"{key}: {old.get(key, '(absent)')} → {new.get(key, '(absent)')}" for key in sorted(old.keys() | new.keys())
+            if key not in RESUMABLE_CHANGES and old.get(key) != new.get(key)]  # fmt: skip
+
+
+def _cause(error: BaseException) -> str:
+    """One sentence for the log: the root error's type and the first line of its message, cut short."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    first = (str(error).strip().splitlines() or [""])[0].split(" See full TensorStore details")[0]
+    return f"{type(error).__name__}: {first[:200]}{'…' if len(first) > 200 else ''}"
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the third-party loggers around a restore attempt, and the asyncio tasks and coroutines
+    its failure leaves behind (reported, as unraisable exceptions and warnings, when collected)."""
+    loggers = [logging.getLogger(name) for name in _NOISY_LOGGERS]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL + 1)
+    hook, sys.unraisablehook = sys.unraisablehook, lambda unraisable: None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                yield
+            finally:
+                gc.collect()
+    finally:
+        sys.unraisablehook = hook
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+
+
+@dataclasses.dataclass(frozen=True)
+class Restored:
+    """What `restore_latest` found: the newest readable step, and the newer steps that were not."""
+
+    step: int
+    state: Any
+    host: dict[str, Any]
+    unreadable: tuple[int, ...]  # steps newer than `step`, newest first
+
+
+class Checkpointer:
+    """Save and restore `(state pytree, host dict)` pairs by step under `directory`, each with its
+    digests and with `config` (a JSON-able dict: the run's resolved config)."""
+
+    def __init__(self, directory: str | Path, *, config: Mapping[str, Any], keep: int = 3, async_save: bool = True,
                  after_save: Callable[[], object] | None = None):  # fmt: skip
         """`after_save`: called once each save has started (the trainer pushes its other files then)."""
         self.directory = checkpoint_path(directory)
+        self.config = dict(config)
         self._after_save = after_save
         options = ocp.CheckpointManagerOptions(
             max_to_keep=keep, create=True, enable_async_checkpointing=async_save
         )
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
+        with _quiet():  # Orbax logs each step whose metadata does not parse; `restore_latest` reports it
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
-        """Start saving (returns before the write finishes when async; `wait` blocks on it)."""
-        self._manager.save(
-            int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), host=ocp.args.JsonSave(host)),
-        )
+        """Start saving (returns before the write finishes when async; `wait` blocks on it). Raises
+        when Orbax declines the save (a step >= `step` is already there)."""
+        items = ocp.args.Composite(state=ocp.args.StandardSave(state), digest=ocp.args.JsonSave(checksums(state)),
+                                   config=ocp.args.JsonSave(self.config), host=ocp.args.JsonSave(host))  # fmt: skip
+        if not self._manager.save(int(step), args=items):
+            raise RuntimeError(f"checkpoint step {step} was not saved in {self.directory}: "
+                               f"step {self._manager.latest_step()} is already there")  # fmt: skip
         if self._after_save is not None:
             self._after_save()
 
@@ -71,24 +216,67 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:
-        """(state, host) of `step`; `abstract_state` gives the pytree structure, shapes and shardings."""
-        restored = self._manager.restore(
-            int(step),
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state), host=ocp.args.JsonRestore()),
-        )
-        return restored["state"], dict(restored["host"])
+        """(state, host) of `step`; `abstract_state` gives the pytree structure, shapes and shardings.
+        Raises ValueError when an array does not match its digest or holds NaN/inf."""
+        restored = self._manager.restore(int(step), args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), digest=ocp.args.JsonRestore(),
+            host=ocp.args.JsonRestore()))  # fmt: skip
+        state, digest = restored["state"], dict(restored["digest"])
+        sums, finite = (_by_path(tree) for tree in jax.device_get(_verify_values(state)))
+        for path, value in sums.items():
+            if digest.get(path) != int(value):
+                raise ValueError(f"the array state{path} does not match its digest")
+            if not finite[path]:
+                raise ValueError(f"the array state{path} holds NaN or inf")
+        return state, dict(restored["host"])
 
-    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict[str, Any]] | None:
-        """(step, state, host) of the newest step that restores, or None when there is none."""
+    def saved_config(self, step: int) -> dict[str, Any]:
+        """The config `step` was saved under."""
+        return dict(self._manager.restore(int(step), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
+
+    def restore_latest(self, abstract_state: Any, *, allow_config_change: bool = False) -> Restored | None:
+        """The newest step that restores, or None when there is no step at all. Each unreadable step
+        is logged in one line. Raises `ResumeError` when steps exist but none is readable, or when the
+        newest step whose config reads was saved under another config (`config_changes`; unless
+        `allow_config_change`)."""
+        unreadable: list[tuple[int, str]] = []
+        compared = allow_config_change
         for step in reversed(self.steps()):
             try:
-                state, host = self.restore(step, abstract_state)
-            except Exception as error:  # noqa: BLE001 — any unreadable step is skipped, loudly
-                log.warning("checkpoint step %d in %s is unreadable (%s); trying the previous one",
-                            step, self.directory, error)  # fmt: skip
+                with _quiet():
+                    if not compared:
+                        changes = config_changes(self.saved_config(step), self.config)
+                        if changes:
+                            raise ResumeError(
+                                f"the checkpoints in {self.directory} were saved under another config "
+                                f"({'; '.join(changes)}); pass --allow-config-change to resume all the same")
+                        compared = True
+                    state, host = self.restore(step, abstract_state)
+            except ResumeError:
+                raise
+            except Exception as error:  # noqa: BLE001 — any unreadable step is skipped, in one line
+                unreadable.append((step, _cause(error)))
+                log.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, unreadable[-1][1])
                 continue
-            return step, state, host
+            return Restored(step, state, host, tuple(s for s, _ in unreadable))
+        if unreadable:
+            causes = "; ".join(f"step {s}: {cause}" for s, cause in unreadable)
+            raise ResumeError(f"no readable checkpoint in {self.directory} ({causes})")
         return None
+
+    def set_aside(self, steps: tuple[int, ...]) -> None:
+        """Rename each of `steps` to `<step>.unreadable` (or `<step>.unreadable-2`, …): out of Orbax's
+        sight, so the same steps can be saved again, and kept for whoever wants to look."""
+        if not steps:
+            return
+        if jax.process_index() == 0:  # the directory is shared: one process renames, every one waits
+            for step in steps:
+                target = free_name(self.directory / str(step), "unreadable")
+                (self.directory / str(step)).rename(target)
+                log.warning("moved unreadable checkpoint step %d aside to %s", step, target)
+        ocp.multihost.sync_global_processes("sao_jax:set_aside")
+        with _quiet():
+            self._manager.reload()
 
     def close(self) -> None:
         self._manager.wait_until_finished()

@@ -70,7 +70,10 @@ def _user_errors_exit_2(command: Callable[[argparse.Namespace], int], args: argp
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sao-train", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--resume", action="store_true", help="continue from the last checkpoint in output_dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the newest readable checkpoint, or start from the beginning if there is none")
+    parser.add_argument("--allow-config-change", action="store_true",
+                        help="with --resume: continue even if the config differs from the checkpoint's")
     parser.add_argument("--gae-demo", action="store_true", help="print the GAE demo table and exit")
     return _user_errors_exit_2(_train, _parse(parser, argv))
 
@@ -84,7 +87,7 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from sao_jax.train.loop import summary_line, train
 
-    summary = train(config, resume=args.resume)
+    summary = train(config, resume=args.resume, allow_config_change=args.allow_config_change)
     print(json.dumps(summary, indent=2))
     print(summary_line(summary))
     print(f"metrics: {join(config.output_dir, 'metrics.jsonl')}   plots: {join(config.output_dir, 'plots')}")
@@ -102,7 +105,8 @@ def _evaluate(args: argparse.Namespace) -> int:
     config = _load(args)
     from sao_jax.train.loop import evaluate_checkpoint
 
-    print(json.dumps(evaluate_checkpoint(config), indent=2))
+    result = evaluate_checkpoint(config)
+    print(json.dumps(result, indent=2))
     return 0
 
 

@@ -4,13 +4,18 @@ the same scalars to Weights & Biases (`train.wandb`).
 `metrics.jsonl` holds one JSON object per line, each with an integer `"step"`; evaluation lines carry
 `"eval/success_rate"`. Lines are flushed as they are written, so a crash loses at most the line being
 written; on resume, lines past the checkpoint's step are cut away first (`truncate_after`) so the
-resumed run appends exactly what the uninterrupted run would have.
+resumed run appends exactly what the uninterrupted run would have. TensorBoard events are flushed at
+every checkpoint (`flush`), and a resumed writer purges the events after the checkpoint's step
+(`purge_step`: TensorBoard drops the older events from that step on), so the curves match
+`metrics.jsonl`.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -38,20 +43,17 @@ def _scalars(line: Mapping[str, Any]) -> dict[str, int | float]:
 
 class MetricsWriter:
     """Appends metric lines to `OUTDIR/metrics.jsonl` and mirrors their scalars to TensorBoard and,
-    when `wandb_project` is set, to a Weights & Biases run (`config` is that run's config)."""
+    when `wandb_project` is set, to a Weights & Biases run (`config` is that run's config).
+    `purge_step`: on resume, the first step written again."""
 
     def __init__(self, output_dir: str | Path, *, tensorboard: bool = True, wandb_project: str | None = None,
-                 config: Mapping[str, Any] | None = None):  # fmt: skip
+                 config: Mapping[str, Any] | None = None, purge_step: int | None = None):  # fmt: skip
         self.output_dir = Path(output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self._wandb = _start_wandb(wandb_project, self.output_dir, config) if wandb_project is not None else None
         self.path = self.output_dir / "metrics.jsonl"
         self._file = self.path.open("a")
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(str(self.output_dir / "tensorboard"))
+        self._tb = _TensorBoard(self.output_dir / "tensorboard", purge_step) if tensorboard else None
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Write one line `{"step": step, **metrics}`; returns the line as written."""
@@ -60,16 +62,20 @@ class MetricsWriter:
         self._file.flush()
         scalars = _scalars(line)
         if self._tb is not None:
-            for key, value in scalars.items():
-                self._tb.add_scalar(key, value, global_step=int(step))
+            self._tb.write(int(step), scalars)
         if self._wandb is not None:
             self._wandb.log(scalars, step=int(step))
         return line
 
+    def flush(self) -> None:
+        """Put every TensorBoard event written so far on disk (the metric lines always are)."""
+        if self._tb is not None:
+            self._tb.events.flush()
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:
-            self._tb.close()
+            self._tb.events.close()
         if self._wandb is not None:
             self._wandb.finish()
 
@@ -78,6 +84,28 @@ class MetricsWriter:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class _TensorBoard:
+    """One event file of `folder`, written in the caller's thread (tensorboardX's `SummaryWriter`
+    queues events for a thread of its own, so its flush can miss some), named
+    `events.out.tfevents.<time>.<host>.<pid>`. `purge_step`: a SessionLog START at that step first."""
+
+    def __init__(self, folder: Path, purge_step: int | None):
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self.events = EventsWriter(str(folder / "events"), f".{os.getpid()}")
+        if purge_step is not None:
+            self.events.write_event(Event(step=purge_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def write(self, step: int, scalars: Mapping[str, float]) -> None:
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.summary_pb2 import Summary
+
+        values = [Summary.Value(tag=key, simple_value=float(value)) for key, value in scalars.items()]
+        self.events.write_event(Event(wall_time=time.time(), step=step, summary=Summary(value=values)))
 
 
 def _start_wandb(project: str, output_dir: Path, config: Mapping[str, Any] | None):

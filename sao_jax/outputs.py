@@ -5,15 +5,17 @@ fsspec opens; Cloud Storage needs the `gcs` extra, i.e. gcsfs) is written throug
 the run writes config.yaml, metrics.jsonl, TensorBoard events, plots and summary.json to a local
 directory as usual, and `OutputMirror.push` copies each file that changed since the last push to
 the URL. The trainer pushes after every checkpoint save, so the bucket's metrics always reach the
-newest checkpoint, and at the end. `--resume` on a fresh machine (a preempted TPU VM comes back
-with an empty disk) first pulls its metric file back (`pull`), so the resumed run appends to it
-exactly as it would to a local directory. Checkpoints do not pass through the mirror:
-Orbax writes them to `OUTPUT_DIR/checkpoints` at the URL itself.
+newest checkpoint, and at the end. A run on a fresh machine (a preempted TPU VM comes back with
+an empty disk) first pulls its metric file and config.yaml back (`pull`), so a resumed run appends
+to them exactly as it would in a local directory, and a new one sees that the URL holds a run.
+Checkpoints do not pass through the mirror: Orbax writes them to `OUTPUT_DIR/checkpoints` at the
+URL itself.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import shutil
 import tempfile
 from pathlib import Path
@@ -99,3 +101,12 @@ class OutputMirror:
             self._pushed[relative] = signature
             pushed.append(relative)
         return pushed
+
+
+def free_name(path, tag: str):
+    """`<stem>.<tag><suffix>` next to `path` (a pathlib or epath path), or `<stem>.<tag>-2<suffix>`,
+    `-3`, …: the first name not taken. Where a run keeps what it must not overwrite."""
+    for n in itertools.count(1):
+        candidate = path.with_name(f"{path.stem}.{tag}{'' if n == 1 else f'-{n}'}{path.suffix}")
+        if not candidate.exists():
+            return candidate

@@ -99,3 +99,21 @@ def test_gae_demo_prints_both_estimators(capsys):
     out = capsys.readouterr().out
     assert "mean A skip-obs" in out and "mean A cross-obs" in out
     assert out.count("| action |") == 3 and out.count("| observation |") == 2
+
+
+def test_resume_flags_reach_train_and_a_resume_error_is_one_line_and_exit_2(capsys, monkeypatch, tmp_path):
+    import sao_jax.train.loop as loop
+    from sao_jax.checkpoint import ResumeError
+
+    calls = []
+
+    def refuse(config, **flags):
+        calls.append(flags)
+        raise ResumeError(f"no readable checkpoint in {tmp_path} (step 3: the array state.step does not match its digest)")
+
+    monkeypatch.setattr(loop, "train", refuse)
+    assert main([f"output_dir={tmp_path}", "--resume", "--allow-config-change"]) == 2
+    assert main([f"output_dir={tmp_path}"]) == 2
+    assert calls == [{"resume": True, "allow_config_change": True}, {"resume": False, "allow_config_change": False}]
+    err = capsys.readouterr().err
+    assert err == f"error: no readable checkpoint in {tmp_path} (step 3: the array state.step does not match its digest)\n" * 2

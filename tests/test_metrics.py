@@ -1,6 +1,8 @@
 """metrics.jsonl, truncation on resume, TensorBoard events and plots."""
 
 import json
+import struct
+import time
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,41 @@ def test_lines_have_step_and_plain_json_values(tmp_path):
     assert isinstance(first["count"], int)
     assert [line["step"] for line in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1]
     assert list((tmp_path / "tensorboard").iterdir()), "no TensorBoard event file"
+
+
+def tensorboard_curves(folder):
+    """{tag: [(step, value)]} as TensorBoard shows it: event files in name order, and a SessionLog
+    START at step p drops the events read before it whose step is >= p (TensorBoard's purge rule)."""
+    from tensorboardX.proto.event_pb2 import Event, SessionLog
+
+    events = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        offset = 0
+        while offset < len(data):  # TFRecord: length (8 bytes), its CRC (4), the record, its CRC (4)
+            (length,) = struct.unpack("<Q", data[offset:offset + 8])
+            event = Event.FromString(data[offset + 12:offset + 12 + length])
+            offset += 12 + length + 4
+            if event.session_log.status == SessionLog.START:
+                events = [e for e in events if e[0] < event.step]
+            events += [(event.step, value.tag, value.simple_value) for value in event.summary.value]
+    curves = {}
+    for step, tag, value in events:
+        curves.setdefault(tag, []).append((step, value))
+    return curves
+
+
+def test_events_are_on_disk_after_flush_and_a_resumed_writer_supersedes_those_after_its_checkpoint(tmp_path):
+    writer = MetricsWriter(tmp_path)
+    for step in range(4):
+        writer.write(step, {"loss": float(step)})
+    writer.flush()  # the writer is left open, as a killed process leaves it
+    assert tensorboard_curves(tmp_path / "tensorboard") == {"loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0)]}
+    time.sleep(1.1)  # event files are named by the second they were opened in
+    with MetricsWriter(tmp_path, purge_step=3) as resumed:  # resumed from the checkpoint of step 2
+        resumed.write(3, {"loss": 30.0})
+    assert tensorboard_curves(tmp_path / "tensorboard") == {"loss": [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]}
+    writer.close()
 
 
 def _strict_json(text):

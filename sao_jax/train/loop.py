@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from sao_jax import models
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
-from sao_jax.checkpoint import Checkpointer, abstract_state
+from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, OptimizerConfig, to_dict
 from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
 from sao_jax.data.datasets import DatasetError, read_prompts
@@ -39,7 +39,7 @@ from sao_jax.envs import Prompt, environment_class
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.models import sharding
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
-from sao_jax.outputs import OutputMirror, check_writable, is_url, join
+from sao_jax.outputs import OutputMirror, check_writable, free_name, is_url, join
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
@@ -372,25 +372,36 @@ def make_optimizers(config: Config):
     return policy_tx, critic_tx
 
 
-def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
+def train(config: Config, *, resume: bool = False, allow_config_change: bool = False) -> dict[str, Any]:
     """Run the whole job; returns the final summary (also written to OUTDIR/summary.json). Run as
-    several processes, each process does its part (`sao_jax.train.distributed`)."""
+    several processes, each process does its part (`sao_jax.train.distributed`).
+
+    `resume`: continue from the newest readable checkpoint, or start from the beginning when there is
+    none (keeping a previous attempt's metrics.jsonl and tensorboard/ aside as `*.previous*`). Without
+    it, a folder that already holds a run is a `ResumeError`, as is a checkpoint saved under another
+    config (`checkpoint.config_changes`) unless `allow_config_change`."""
     check_writable(config.output_dir, "output_dir")
     if config.train.checkpoint_dir is not None:
         check_writable(config.train.checkpoint_dir, "train.checkpoint_dir")
     # A URL output_dir is written through a local mirror, pushed after each checkpoint (sao_jax.outputs).
     mirror = OutputMirror.fresh(config.output_dir, jax.process_index()) if is_url(config.output_dir) else None
     out = Path(config.output_dir) if mirror is None else mirror.local
-    out.mkdir(parents=True, exist_ok=True)
-    run = build_run(config)
-    cluster = run.cluster
-    if cluster.is_primary:
-        (out / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    primary = jax.process_index() == 0
     # Process p > 0 writes its lines apart: they must equal process 0's.
-    metrics_dir = out if cluster.is_primary else out / f"process_{jax.process_index()}"
-    policy_tx, critic_tx = make_optimizers(config)
-    checkpointer = Checkpointer(checkpoint_dir(config), keep=config.train.keep_checkpoints,
+    metrics_dir = out if primary else out / f"process_{jax.process_index()}"
+    metrics_file = metrics_dir / "metrics.jsonl"
+    if mirror is not None:  # this machine's mirror may be new (a recreated slice): fetch the run's files so far
+        for path in (metrics_file, out / "config.yaml"):
+            mirror.pull(path)
+    if not resume and (holds_checkpoints(checkpoint_dir(config)) or metrics_file.exists()):
+        raise ResumeError(f"{config.output_dir} already holds a run (metrics.jsonl or checkpoints); continue it "
+                          "with --resume, or choose another output_dir")  # fmt: skip
+    run = build_run(config)  # a mistake in the config's files is reported before anything is written
+    out.mkdir(parents=True, exist_ok=True)
+    checkpointer = Checkpointer(checkpoint_dir(config), config=to_dict(config), keep=config.train.keep_checkpoints,
                                 after_save=None if mirror is None else mirror.push)  # fmt: skip
+    cluster = run.cluster
+    policy_tx, critic_tx = make_optimizers(config)
 
     critic = models.Critic.from_policy(run.policy, rngs=nnx.Rngs(config.seed + _INIT))
     state, graphs = steps_lib.make_train_state(
@@ -400,20 +411,27 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     steps = steps_lib.Steps(*map(cluster.step, steps_lib.build_steps(graphs, policy_tx, critic_tx, config)))
     rollout_loop, eval_loop = run.agent_loop(greedy=False), run.agent_loop(greedy=config.env.eval_greedy)
 
-    restored = checkpointer.restore_latest(abstract_state(state)) if resume else None
+    restored = (checkpointer.restore_latest(abstract_state(state), allow_config_change=allow_config_change)
+                if resume else None)  # fmt: skip
     if restored is not None:
-        start_step, state, host = restored
-        if mirror is not None:  # this machine's mirror may be new (a recreated slice): fetch the lines so far
-            mirror.pull(metrics_dir / "metrics.jsonl")
-        truncate_after(metrics_dir / "metrics.jsonl", start_step)
-        log.info("resumed from step %d", start_step)
+        checkpointer.set_aside(restored.unreadable)
+        start_step, state, host = restored.step, restored.state, restored.host
+        truncate_after(metrics_file, start_step)
+        log.info("resumed from step %d of %s", start_step, checkpointer.directory)
     else:
-        (metrics_dir / "metrics.jsonl").unlink(missing_ok=True)
-        start_step = 0
+        if resume:
+            log.info("no checkpoint in %s, starting from the beginning", checkpointer.directory)
+            for previous in (metrics_file, metrics_dir / "tensorboard"):
+                if previous.exists():
+                    previous.rename(free_name(previous, "previous"))
+        start_step, host = 0, {}
+    if primary:
+        record_config(out, config, start_step)
 
     wandb_project = config.train.wandb_project if config.train.wandb and cluster.is_primary else None
+    purge_step = None if restored is None else start_step + 1  # TensorBoard drops the killed run's later events
     with MetricsWriter(metrics_dir, tensorboard=cluster.is_primary, wandb_project=wandb_project,
-                       config=to_dict(config)) as writer:  # fmt: skip
+                       config=to_dict(config), purge_step=purge_step) as writer:  # fmt: skip
         if restored is None:
             state = cluster.place(steps_lib.freeze_reference(state.replace(policy_params=run_sft(run, writer))))
             # The critic starts from the warm-started policy (SAO initialises V from the policy).
@@ -422,8 +440,9 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
             state = cluster.place(state.replace(critic_params=steps_lib.split_model(critic)[1]))
             state = run_value_pretraining(run, state, graphs, rollout_loop, critic_tx, writer)
             writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
+            writer.flush()
             checkpointer.save(0, state, {"step": 0})
-        summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step)
+        summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step, host)
     checkpointer.close()
     if cluster.is_primary:
         plot_run(out)
@@ -431,6 +450,17 @@ def train(config: Config, *, resume: bool = False) -> dict[str, Any]:
     if mirror is not None:
         mirror.push()
     return summary
+
+
+def record_config(out: Path, config: Config, start_step: int) -> None:
+    """Keep the config on record without overwriting one: `config.yaml` holds the first start's, and a
+    later start (a resume) under a config that differs from it adds `config.resume-<step>.yaml`."""
+    text = yaml.safe_dump(to_dict(config), sort_keys=False)
+    path = out / "config.yaml"
+    if path.exists() and path.read_text() != text:
+        path = free_name(path, f"resume-{start_step}")
+    if not path.exists():
+        path.write_text(text)
 
 
 class LockstepBatches:
@@ -456,6 +486,10 @@ class LockstepBatches:
         discarded = sum(group - f for f in failed if f)  # the survivors of groups that lost a member
         return kept, {"train/env_failed": sum(failed), "train/group_members_discarded": discarded}
 
+    def host_state(self) -> dict[str, Any]:
+        """Nothing: the prompts of step s are a function of (seed, s)."""
+        return {}
+
     def close(self) -> None:
         pass
 
@@ -472,9 +506,16 @@ class StreamingBatches:
     process order, so every process trains on the same batch, and the engines' counters are summed
     (the trainer's idle fraction averaged), so every process logs the same metrics. Only the trainer thread talks to
     the other processes, once a step; the engines' threads run local computations only.
+
+    Resume: `host_state()` holds each process's stream position after the last batch (every prompt
+    it trained on has a smaller index), and an engine built with that `host` starts there, so a
+    resumed run draws the prompts the interrupted one had not trained on yet, from where it was, with
+    the same keys (a prompt index's key depends on the seed and the index only). Prompts in flight
+    when the checkpoint was saved are not replayed.
     """
 
-    def __init__(self, run: Run, rollout_loop: AgentLoop | ProcessRollouts, weights, start_step: int):
+    def __init__(self, run: Run, rollout_loop: AgentLoop | ProcessRollouts, weights, start_step: int,
+                 host: dict[str, Any]):  # fmt: skip
         from sao_jax.rollout.agent_loop import RolloutService
         from sao_jax.rollout.engine import RolloutEngine, WeightStore
 
@@ -484,16 +525,22 @@ class StreamingBatches:
         if config.train.batch_size % self.processes:
             raise ValueError(f"train.batch_size={config.train.batch_size} must be a multiple of the {self.processes} "
                              "processes: each contributes the same number of trajectories a step")  # fmt: skip
-        key = jax.random.fold_in(jax.random.key(config.seed), start_step)
+        key = jax.random.fold_in(jax.random.key(config.seed), _RL)  # the key of prompt index p: fold_in(key, p)
         if self.processes > 1:
             key = jax.random.fold_in(key, self.process)
+        positions = host.get("prompt_index", [0] * self.processes)
+        if len(positions) != self.processes:
+            raise ResumeError(f"the checkpoint holds the prompt streams of {len(positions)} processes; this run has "
+                              f"{self.processes}")  # fmt: skip
+        self.positions = list(positions)
         self.store = WeightStore(self._local(weights), version=start_step)
         local_loop = rollout_loop.loop if isinstance(rollout_loop, ProcessRollouts) else rollout_loop
         self.service = RolloutService(local_loop)
+        start = self.positions[self.process]
         self.engine = RolloutEngine(
-            self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count()), self.store, key,
+            self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count(start)), self.store, key,
             num_workers=config.rollout.num_slots, queue_capacity=config.train.queue_capacity,
-            max_staleness=config.train.max_staleness, group_size=config.advantage.group_size,
+            max_staleness=config.train.max_staleness, group_size=config.advantage.group_size, start_index=start,
         )  # fmt: skip
 
     def _local(self, weights):
@@ -513,11 +560,17 @@ class StreamingBatches:
         if step - 1 > self.store.version:
             self.store.publish(self._local(weights), step - 1)  # the trainer's weights after step − 1
         batch = self.engine.get_batch(self.run.config.train.batch_size // self.processes)
+        position = self.engine.state().next_prompt_index  # above every prompt index in the batch
         for trajectory in batch:  # the engine numbers prompts; baselines key on the pool index
             trajectory.prompt_id = self.pool_index(trajectory.prompt_id)
-        blocks = self.cluster.all_gather([(batch, self.engine.metrics())])
-        batch = [trajectory for block, _ in blocks for trajectory in block]
-        return batch, async_metrics([engine_metrics for _, engine_metrics in blocks])
+        blocks = self.cluster.all_gather([(batch, self.engine.metrics(), position)])
+        self.positions = [position for _, _, position in blocks]
+        batch = [trajectory for block, _, _ in blocks for trajectory in block]
+        return batch, async_metrics([engine_metrics for _, engine_metrics, _ in blocks])
+
+    def host_state(self) -> dict[str, Any]:
+        """Each process's next prompt index after the last batch (the checkpoint's part of the stream)."""
+        return {"prompt_index": self.positions}
 
     def close(self) -> None:
         state = self.engine.close()
@@ -567,12 +620,13 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     state, graphs = steps_lib.make_train_state(
         run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
     )
-    with Checkpointer(checkpoint_dir(config)) as checkpointer:
-        restored = checkpointer.restore_latest(abstract_state(run.cluster.place(state)))
+    with Checkpointer(checkpoint_dir(config), config=to_dict(config)) as checkpointer:
+        # Evaluation settings may differ from training's; a model that does not fit the arrays cannot.
+        restored = checkpointer.restore_latest(abstract_state(run.cluster.place(state)), allow_config_change=True)
     if restored is None:
-        raise FileNotFoundError(f"no readable checkpoint under {checkpoint_dir(config)}")
-    step, state, _ = restored
-    return {"step": step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), policy_weights(state, graphs))}
+        raise ResumeError(f"no checkpoint in {checkpointer.directory}")
+    weights = policy_weights(restored.state, graphs)
+    return {"step": restored.step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), weights)}
 
 
 def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
@@ -583,13 +637,14 @@ def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
             step % cfg.checkpoint_every == 0 or last)  # fmt: skip
 
 
-def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int):
+def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int,
+            host: dict[str, Any]):  # fmt: skip
     config = run.config
     cfg = config.train
     base_key = jax.random.key(config.seed)
     last_eval = None
     weights = policy_weights(state, graphs)
-    source = (StreamingBatches(run, rollout_loop, weights, start_step) if cfg.mode == "async"
+    source = (StreamingBatches(run, rollout_loop, weights, start_step, host) if cfg.mode == "async"
               else LockstepBatches(run, rollout_loop))  # fmt: skip
     reads_reference = ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
     schedule = run.env_kwargs.get("schedule")  # style_shift's target-style schedule, moved per step
@@ -631,7 +686,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
                             eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
             if checkpoints:
-                checkpointer.save(step, state, {"step": step})
+                writer.flush()
+                checkpointer.save(step, state, {"step": step, **source.host_state()})
     finally:
         source.close()
     checkpointer.wait()

@@ -176,7 +176,7 @@ def test_streaming_batches_ask_the_engine_for_whole_groups(monkeypatch):
     made = {}
     monkeypatch.setattr(agent_loop, "RolloutService", lambda rollout_loop: None)
     monkeypatch.setattr(engine, "RolloutEngine", lambda *args, **kwargs: made.update(kwargs))
-    loop.StreamingBatches(fake_run(group_size=4, batch_size=8), None, {"w": jnp.zeros(2)}, start_step=0)
+    loop.StreamingBatches(fake_run(group_size=4, batch_size=8), None, {"w": jnp.zeros(2)}, start_step=0, host={})
     assert made["group_size"] == 4
 
 
