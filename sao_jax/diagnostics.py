@@ -1,14 +1,17 @@
 """Mechanism diagnostics: what an SAO mechanism does to the critic and the policy, measured directly.
 
-Each is a pure function of arrays, logged by the train steps beside the losses:
+Each is a pure function of arrays, logged by the train steps (`train.steps`) beside the losses:
 
 * `group_grad_norms` — the gradient's L2 norm per module group (attention, routed experts, router,
-  dense MLP, embeddings and norms, value head), before clipping. The paper traces the critic's
-  instability to gradients far larger than the policy's, concentrated in the full-attention layers.
-* `fit_metrics` — the critic's explained variance and mean squared error against its targets on a
-  batch; measured on a fresh batch before the critic trains on it and after its K updates, the gap is
-  the critic lag that TTUR is meant to close.
-* `advantage_variance` — the per-token variance of the advantages over action tokens.
+  dense MLP, embeddings and norms, value head), before clipping: `critic/grad_norm/<group>` and
+  `policy/grad_norm/<group>`. The paper traces the critic's instability to gradients far larger than
+  the policy's, concentrated in the full-attention layers; with the attention frozen its group is 0.
+* `fit_metrics` — the critic's explained variance and mean squared error against its λ_critic
+  targets on a batch: `critic/before_updates/*` on the fresh batch before the critic trains on it,
+  `critic/after_updates/*` after its K updates (read where the policy update recomputes the values).
+  The gap is the critic lag that TTUR is meant to close.
+
+The advantage's per-token spread over action tokens is `policy/advantage_std` (`advantages.masked_var`).
 """
 
 from __future__ import annotations
@@ -66,11 +69,3 @@ def fit_metrics(values: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[
     error_variance = mean(jnp.square(error - mean(error)))
     explained = jnp.where(target_variance > 0, 1.0 - error_variance / jnp.where(target_variance > 0, target_variance, 1.0), 0.0)
     return {"explained_variance": explained, "mse": mean(jnp.square(error))}
-
-
-def advantage_variance(advantages: jax.Array, mask: jax.Array) -> jax.Array:
-    """Population variance of the advantages over the tokens of `mask` (0 with no such token)."""
-    mask = mask.astype(bool)
-    count = jnp.maximum(jnp.sum(mask), 1)
-    mean = jnp.sum(jnp.where(mask, advantages, 0.0)) / count
-    return jnp.sum(jnp.where(mask, jnp.square(advantages - mean), 0.0)) / count

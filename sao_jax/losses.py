@@ -24,6 +24,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from sao_jax.diagnostics import fit_metrics
+
 Array = chex.Array
 
 
@@ -326,8 +328,8 @@ def value_loss(
 
     With old_values and clip_eps (PPO-style value clipping):
         L = ½ Σ_t max((V_t − G_t)², (clip(V_t, V_old − ε, V_old + ε) − G_t)²) / N.
-    Metrics: explained_variance = 1 − Var[G − V] / Var[G] over action tokens (population variances;
-    reported as 0 when Var[G] = 0, where it is undefined), value_mean, return_mean, and
+    Metrics: the fit of V to G before this update (`diagnostics.fit_metrics`: explained_variance and
+    mse over action tokens), value_mean, return_mean, and
     clip_fraction = share of action tokens where the clipped term is strictly larger, i.e. whose
     value gets no gradient (0 without clipping).
     """
@@ -353,18 +355,10 @@ def value_loss(
     loss = 0.5 * _masked_mean(squared_error, is_action)
 
     values = jax.lax.stop_gradient(values)
-    return_mean = _masked_mean(returns, is_action)
-    return_variance = _masked_mean(jnp.square(returns - return_mean), is_action)
-    residual = returns - values
-    residual_variance = _masked_mean(jnp.square(residual - _masked_mean(residual, is_action)), is_action)
-    has_variance = return_variance > 0
-    explained_variance = jnp.where(
-        has_variance, 1.0 - residual_variance / jnp.where(has_variance, return_variance, 1.0), 0.0
-    )
     metrics = {
-        "explained_variance": explained_variance,
+        **fit_metrics(values, returns, is_action),
         "value_mean": _masked_mean(values, is_action),
-        "return_mean": return_mean,
+        "return_mean": _masked_mean(returns, is_action),
         "clip_fraction": _masked_mean((clipped & is_action).astype(jnp.float32), is_action),
     }
     return loss, metrics

@@ -140,17 +140,32 @@ def truncate_after(path: str | Path, step: int) -> int:
     return before - len(kept)
 
 
-# Which metrics each plot shows: (file name, title, [(metric key, label)]).
-PLOTS: tuple[tuple[str, str, tuple[tuple[str, str], ...]], ...] = (
+# Which metrics each plot shows: (file name, title, panels). A panel is (metrics, label), its metrics
+# one key, a tuple of keys (one line each), or a prefix ending in "/" (every key under it, one line
+# each, on a log scale: the gradient norms of the module groups span decades).
+PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...] = (
     ("reward.png", "Reward and held-out success",
      (("train/reward_mean", "train reward"), ("eval/success_rate", "held-out success"))),
-    ("critic.png", "Critic", (("critic/value_loss", "value loss"), ("critic/explained_variance", "explained variance"))),
+    ("critic.png", "Critic", (("critic/value_loss", "value loss"),
+                              (("critic/before_updates/explained_variance", "critic/after_updates/explained_variance"),
+                               "explained variance before / after its K updates"))),
+    ("grad_norms.png", "Gradient norms by module group, before clipping",
+     (("critic/grad_norm/", "critic"), ("policy/grad_norm/", "policy"))),
     ("keep_rule.png", "Keep rule",
      (("policy/masked_fraction", "masked fraction"), ("policy/masked_entropy_mean", "masked-token entropy"))),
     ("tools.png", "Tool choice (calculator: the estimator is the weak demonstrator's tool)",
      (("train/tool_share/est", "estimator share, train"), ("eval/tool_share/est", "estimator share, held-out"))),
     ("staleness.png", "Asynchrony", (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
 )  # fmt: skip
+
+
+def _panel_keys(metrics: str | tuple[str, ...], lines: list[Mapping[str, Any]]) -> list[str]:
+    """The keys a panel draws that occur in `lines`, in a stable order."""
+    if isinstance(metrics, str) and metrics.endswith("/"):
+        keys = sorted({key for line in lines for key in line if key.startswith(metrics)})
+    else:
+        keys = [metrics] if isinstance(metrics, str) else list(metrics)
+    return [key for key in keys if any(line.get(key) is not None for line in lines)]
 
 
 def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None = None) -> list[Path]:
@@ -164,15 +179,21 @@ def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None =
     lines = list(lines) if lines is not None else read_metrics(output_dir / "metrics.jsonl")
     (output_dir / "plots").mkdir(parents=True, exist_ok=True)
     written = []
-    for filename, title, series in PLOTS:
-        present = [(key, label) for key, label in series if any(line.get(key) is not None for line in lines)]
+    for filename, title, panels in PLOTS:
+        present = [(keys, metrics, label) for metrics, label in panels if (keys := _panel_keys(metrics, lines))]
         if not present:
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.5), squeeze=False)
-        for ax, (key, label) in zip(axes[0], present):
-            points = [(line["step"], line[key]) for line in lines if line.get(key) is not None]
-            steps, values = zip(*points)
-            ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3)
+        for ax, (keys, metrics, label) in zip(axes[0], present):
+            for key in keys:
+                points = [(line["step"], line[key]) for line in lines if line.get(key) is not None]
+                steps, values = zip(*points)
+                ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3,
+                        label=key.rsplit("/", 1)[-1] if len(keys) > 1 else None)  # fmt: skip
+            if isinstance(metrics, str) and metrics.endswith("/"):
+                ax.set_yscale("symlog", linthresh=1e-6)  # a frozen group's norm is exactly 0
+            if len(keys) > 1:
+                ax.legend(fontsize=7)
             ax.set_title(label)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

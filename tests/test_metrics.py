@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sao_jax import metrics as metrics_lib
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 
 
@@ -102,3 +103,14 @@ def test_plots_are_written_for_metrics_that_exist(tmp_path):
     written = {p.name for p in plot_run(tmp_path)}
     assert written == {"reward.png", "critic.png"}
     assert all((tmp_path / "plots" / name).stat().st_size > 1000 for name in written)
+
+
+def test_a_prefix_panel_draws_every_group_and_a_tuple_panel_each_key(tmp_path):
+    lines = [{"step": s, "critic/grad_norm/attention": 0.0, "critic/grad_norm/experts": 2.0 ** -s,
+              "critic/before_updates/explained_variance": 0.1 * s} for s in range(3)]  # fmt: skip
+    written = {p.name for p in plot_run(tmp_path, lines)}
+    assert written == {"grad_norms.png", "critic.png"}
+    assert metrics_lib._panel_keys("critic/grad_norm/", lines) == ["critic/grad_norm/attention",
+                                                                   "critic/grad_norm/experts"]  # fmt: skip
+    assert metrics_lib._panel_keys(("critic/before_updates/explained_variance", "critic/after_updates/explained_variance"),
+                                   lines) == ["critic/before_updates/explained_variance"]  # fmt: skip

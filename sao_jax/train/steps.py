@@ -9,6 +9,8 @@
 - `critic_warmup_step = repeat(value_update, K)`: the critic-only steps before the first policy update.
 - With `loss.value_clip_eps` set, each of the K value updates is clipped around the critic's values
   before the first (`critic_updates`).
+- Mechanism diagnostics (`sao_jax.diagnostics`) ride along: gradient norms by module group in both
+  updates, and the critic's fit on the batch before its K updates and after them (the critic lag).
 
 Critic-free rows (running mean, GRPO, RLOO, TRACE) skip the critic: ttur_step = policy_update. Group
 estimators read a batch whose rows come in whole groups (`check_whole_groups`); TRACE also reads a frozen
@@ -37,7 +39,7 @@ import optax
 from flax import nnx, struct
 
 from sao_jax import advantages as adv
-from sao_jax import losses, optim
+from sao_jax import diagnostics, losses, optim
 from sao_jax.config import Config
 from sao_jax.rollout.trajectory import TrajectoryBatch
 
@@ -328,7 +330,7 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequ
     `trainable`: the parameter patterns `critic_tx` was made with (`optim.train_only`); the other
     leaves get zero gradients, which XLA then does not compute. The update takes an optional
     `old_values` `[batch, time]`: given, the value loss is clipped to ±`loss.value_clip_eps` around
-    them (`losses.value_loss`; `build_steps` passes the critic's values before a step's K updates).
+    them (`losses.value_loss`; `critic_updates` passes the critic's values before a step's K updates).
     """
     estimator = adv.ADVANTAGE_ESTIMATORS[config.advantage.estimator]
     gamma, lam = config.advantage.gamma, config.advantage.lam_critic
@@ -349,7 +351,8 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequ
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.critic_params)
         grads = optim.zero_frozen(grads, trainable)
         params, opt_state = _optimizer_step(critic_tx, state.critic_params, state.critic_opt_state, grads)
-        metrics |= {"grad_norm": optax.global_norm(grads), "skipped_updates": skipped_updates(opt_state)}
+        metrics |= {"grad_norm": optax.global_norm(grads), "skipped_updates": skipped_updates(opt_state),
+                    **{f"grad_norm/{group}": norm for group, norm in diagnostics.group_grad_norms(grads).items()}}
         state = state.replace(critic_params=params, critic_opt_state=opt_state)
         return state, {f"critic/{k}": v for k, v in metrics.items()}
 
@@ -357,17 +360,27 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequ
 
 
 def critic_updates(value_update: Update, times: int, graphs: Graphs, config: Config) -> Update:
-    """`repeat(value_update, times)`; with `loss.value_clip_eps` set, every update is clipped around
-    the values of the critic before the first (PPO's V_old: the values before any update on this batch)."""
-    if config.loss.value_clip_eps is None:
-        return repeat(value_update, times)
+    """`repeat(value_update, times)`, with the critic's fit to its targets on the fresh batch, before
+    the first update, kept as `critic/before_updates/*` (an update's metrics are measured before it
+    moves the critic, so the first one's are the fit before any). With `loss.value_clip_eps` set, every
+    update is clipped around the values of the critic before the first (PPO's V_old)."""
 
-    def clipped(state, batch, key):
-        old_values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
-        anchored = functools.partial(value_update, old_values=jax.lax.stop_gradient(old_values))
-        return repeat(anchored, times)(state, batch, key)
+    def updates(state, batch, key):
+        update = value_update
+        if config.loss.value_clip_eps is not None:
+            old_values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
+            update = functools.partial(value_update, old_values=jax.lax.stop_gradient(old_values))
+        first_key, rest_key = jax.random.split(key)
+        state, metrics = update(state, batch, first_key)
+        before = {f"critic/before_updates/{name}": metrics[f"critic/{name}"] for name in _FIT_METRICS}
+        if times > 1:
+            state, metrics = repeat(update, times - 1)(state, batch, rest_key)
+        return state, metrics | before
 
-    return clipped
+    return updates
+
+
+_FIT_METRICS = ("explained_variance", "mse")
 
 
 def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
@@ -383,9 +396,13 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
         del key
         baseline = state.baseline
         extra: Metrics = {}
+        critic_fit: Metrics = {}
         if estimator.gae is not None:
             values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
             advantages, _ = estimator.gae(batch, values, config.advantage.gamma, policy_lambda(batch, config))
+            # The critic as this update reads it (after its K updates), against its own λ_critic targets.
+            _, targets = estimator.gae(batch, values, config.advantage.gamma, config.advantage.lam_critic)
+            critic_fit = diagnostics.fit_metrics(values, targets, estimator.value_mask(batch))
         elif estimator.reference:
             advantages, extra = _trace_advantages(state, batch, graphs, config)
         else:
@@ -415,10 +432,12 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
             "skipped_updates": skipped_updates(opt_state),
             "advantage_mean": adv.masked_mean(advantages, action),
             "advantage_std": jnp.sqrt(adv.masked_var(advantages, action, unbiased=False)),
+            **{f"grad_norm/{group}": norm for group, norm in diagnostics.group_grad_norms(grads).items()},
             **extra,
         }
         state = state.replace(policy_params=params, policy_opt_state=opt_state, baseline=baseline)
-        return state, {f"policy/{k}": v for k, v in metrics.items()}
+        return state, ({f"policy/{k}": v for k, v in metrics.items()}
+                       | {f"critic/after_updates/{k}": v for k, v in critic_fit.items()})  # fmt: skip
 
     return policy_update
 

@@ -212,6 +212,34 @@ def test_frozen_attention_leaves_are_bit_identical_after_a_step(setup):
         assert changed == (label == "trainable"), (label, changed)
 
 
+def test_ttur_step_logs_the_critic_lag_and_group_gradient_norms(setup):
+    """The fit before the K updates is the initial critic's, after them the updated critic's, each
+    recomputed here from the states (values, λ_critic targets, EV and MSE written out); the frozen
+    attention's gradient norm is 0 for the critic and not for the policy."""
+    config, state, graphs, steps, *_ = setup
+    batch = synthetic_batch(seed=3)
+    after, metrics = steps.ttur_step(copy_state(state), batch, jax.random.key(0))
+
+    def fit(critic_params):
+        model = nnx.merge(graphs.critic, critic_params, state.critic_buffers)
+        raw, _, _ = model.forward(batch.tokens, attention_mask=batch.valid_mask)
+        values = np.concatenate([np.zeros_like(raw[:, :1]), raw[:, :-1]], axis=1)
+        _, targets = adv.skip_observation_gae(batch.rewards, jnp.asarray(values), batch.action_mask, gamma=1.0, lam=1.0)
+        mask = np.asarray(batch.action_mask)
+        v, g = values[mask], np.asarray(targets)[mask]
+        return {"explained_variance": 1 - np.var(g - v) / np.var(g), "mse": np.mean((v - g) ** 2)}
+
+    for stage, params in (("before_updates", state.critic_params), ("after_updates", after.critic_params)):
+        for name, want in fit(params).items():
+            assert float(metrics[f"critic/{stage}/{name}"]) == pytest.approx(want, rel=1e-4, abs=1e-6), (stage, name)
+    assert float(metrics["critic/before_updates/mse"]) != pytest.approx(float(metrics["critic/after_updates/mse"]))
+    assert float(metrics["critic/grad_norm/attention"]) == 0.0 and float(metrics["critic/grad_norm/experts"]) > 0
+    assert float(metrics["policy/grad_norm/attention"]) > 0
+    groups = [name for name in metrics if name.startswith("policy/grad_norm/")]
+    total = np.sqrt(sum(float(metrics[name]) ** 2 for name in groups))
+    assert total == pytest.approx(float(metrics["policy/grad_norm"]), rel=1e-5)  # the groups partition the leaves
+
+
 def moved_paths(before, after) -> set[str]:
     paths = param_paths(before)
     moved = jax.tree.leaves(jax.tree.map(lambda a, b: bool(jnp.any(a != b)), before, after))
