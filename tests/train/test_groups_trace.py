@@ -18,7 +18,7 @@ from flax import nnx
 
 from sao_jax import advantages as adv
 from sao_jax.checkpoint import Checkpointer
-from sao_jax.config import ConfigError, load_config
+from sao_jax.config import ConfigError, load_config, to_dict
 from sao_jax.models import Critic, Policy, tiny_qwen3_moe
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import loop
@@ -325,11 +325,11 @@ def test_reference_is_taken_after_warm_start_and_survives_a_checkpoint(tmp_path,
     warm = jax.tree.map(lambda p: p + 1.0, state.policy_params)  # stands in for the SFT'd policy
     frozen = steps_lib.freeze_reference(state.replace(policy_params=warm))
     jax.tree.map(np.testing.assert_array_equal, frozen.reference_params, warm)
-    with Checkpointer(tmp_path) as checkpointer:
+    with Checkpointer(tmp_path, config=to_dict(config)) as checkpointer:
         checkpointer.save(3, frozen, {"step": 3})
         checkpointer.wait()
-        _, restored, _ = checkpointer.restore_latest(jax.eval_shape(lambda: state))
-    jax.tree.map(np.testing.assert_array_equal, restored.reference_params, warm)
+        restored = checkpointer.restore_latest(jax.eval_shape(lambda: state))
+    jax.tree.map(np.testing.assert_array_equal, restored.state.reference_params, warm)
     # Estimators that read no reference keep none, and freezing is then a no-op.
     plain = state.replace(reference_params=None)
     assert steps_lib.freeze_reference(plain).reference_params is None
