@@ -25,7 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
-MOE_DISPATCHES = ("dense", "sorted", "capacity", "blocked")
+MOE_DISPATCHES = ("dense", "sorted", "capacity", "blocked", "gmm")
 ATTENTIONS = ("xla", "splash")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -53,10 +53,14 @@ class ModelConfig:
 
     `router_aux_loss_coef` is carried for the trainer (the model returns the raw aux loss).
     `moe_dispatch`: "dense" (every expert on every token; the readable reference), "sorted"
-    (tokens sorted by expert, `jax.lax.ragged_dot`), "blocked" (tokens grouped by expert in
-    fixed-size blocks of batched matmuls) — these three give the same numbers — or "capacity" (each
+    (tokens sorted by expert, `jax.lax.ragged_dot`), "gmm" (the same sorted tokens through the
+    Pallas megablox grouped matmul, for TPUs; experts sharded over the `expert` mesh axis when it is
+    larger than 1), "blocked" (tokens grouped by expert in fixed-size blocks of batched matmuls) —
+    these four give the same numbers — or "capacity" (each
     expert has ceil(`moe_capacity_factor` · tokens · k / num_experts) slots per call; assignments
     beyond that are dropped, so a token's output then depends on the other tokens of the call).
+    `moe_kernel_interpret`: run the "gmm" kernel in Pallas interpret mode (exact and slow: for tests
+    and CPU runs; the kernel compiles only for TPU otherwise).
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
     `remat`: recompute each layer's intermediates in the backward pass (`jax.checkpoint` per layer)
     instead of keeping them, so training keeps only the layer inputs — the [batch, time, embed]
@@ -103,6 +107,7 @@ class ModelConfig:
     # computation
     moe_dispatch: str = "sorted"
     moe_capacity_factor: float = 1.25  # slots per expert relative to an even split (capacity dispatch)
+    moe_kernel_interpret: bool = False  # "gmm" in Pallas interpret mode (off TPU)
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
