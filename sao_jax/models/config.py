@@ -509,10 +509,10 @@ def tiny_glm4_moe(**overrides) -> ModelConfig:
 def cpu_moe(vocab_size: int = 128, **overrides) -> ModelConfig:
     """The main job's model on 2 CPU cores (~1.4M parameters, ~0.5M active per token):
     Qwen3-style, 4 layers of width 128, 8 experts of width 96 with top-2 routing. Blocked dispatch:
-    on 2 CPU cores at the training batch (32×96) its step takes 1.1-1.3× the dense model with the same
-    active parameters vs 2.5-2.7× for the dense dispatch (`ragged_dot` lowers on CPU to a masked
-    dense matmul); the capacity dispatch is ~10% faster still but drops ~5% of assignments at init,
-    differently in decode steps and full forwards: train/inference mismatch (benchmarks/model.py)."""
+    the fastest exact one on the CPU, near the dense model with the same active parameters
+    (`ragged_dot` lowers on CPU to a masked dense matmul); the capacity dispatch drops assignments,
+    differently in decode steps and full forwards: a train/inference mismatch (timings and the
+    dropped share: benchmarks/RESULTS.md, "Model forward and backward")."""
     config = ModelConfig(
         model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=128, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=32, intermediate_size=256, rope_theta=10000.0, rms_norm_eps=1e-6,

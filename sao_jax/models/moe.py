@@ -142,7 +142,8 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., embed]. The leading axes are flattened first: on XLA:CPU the backward of a
-        [batch, time, embed] matmul (contracting batch and time together) runs ~1.4× slower. A
+        [batch, time, embed] matmul (contracting batch and time together) is slower
+        (benchmarks/RESULTS.md). A
         decode step's x [batch, 1, embed] goes through `few_rows_matmuls` (gate and up in one call) and
         `few_rows_matmul` where they apply."""
         dtype = x.dtype
@@ -308,8 +309,7 @@ def few_tokens_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     C = min(tokens, 2 · ceil(tokens · k / experts)) slots per expert (twice an even share) when no
     expert got more than C assignments, else with C = tokens (room for every token), so nothing is
     dropped; with a router near balance the first branch runs, at 2 · tokens · k token-expert
-    products instead of experts · tokens. d256 MoE decoding 32 rows on the 2-core CPU: 20.2 ms a step
-    instead of 22.4 (before the kernel; the step reads every expert's weights either way).
+    products instead of experts · tokens (the step reads every expert's weights either way).
     """
     args = (x, expert_ids, weights, gate_proj, up_proj, down_proj)
     if x.dtype == gate_proj.dtype and routed_kernel_applies(x.dtype, *gate_proj.shape[1:]):
@@ -366,9 +366,8 @@ def expert_blocks(x_blocks, block_expert, gate_proj, up_proj, down_proj):
       dG_e += xᵀ·da,  dU_e += xᵀ·du,  dx = da·G_eᵀ + du·U_eᵀ,
     each block adding into its expert's slice of float32 accumulators in place. Autodiff of the batched
     form (one weight copy per block) builds a [blocks, embed, mlp] gradient per weight instead, which
-    XLA:CPU transposes and sums per expert: one d512 MoE layer's forward and backward took 392 ms that
-    way and 311 ms this way on the 2-core CPU (the dense SwiGLU of the same FLOPs: 235 ms;
-    benchmarks/RESULTS.md).
+    XLA:CPU transposes and sums per expert, more slowly (benchmarks/RESULTS.md, "Model forward and
+    backward").
     """
     return _expert_blocks_forward(x_blocks, block_expert, gate_proj, up_proj, down_proj)[0]
 
@@ -621,12 +620,10 @@ class MoE(nnx.Module):
         if dispatch is blocked_dispatch:
             # A decode step has so few tokens that the blocks would be a scan over about two tiny
             # blocks per expert. On the CPU one kernel runs the chosen experts on their tokens
-            # (`few_tokens_dispatch`), at any batch: d256 MoE on the 2-core CPU decoded 64 rows in
-            # 8.7 ms a step instead of 16.1 with the blocks, 128 rows in 13.6 instead of 27.1.
-            # Elsewhere, for one or two rows, copying the few chosen experts' weights reads fewer
-            # bytes than running all of them (d256 MoE at batch 1 on the 2-core CPU, before the
-            # kernel: 600 decode tokens/s instead of 200), and for more, dropless capacity slots (the
-            # same numbers) run all experts in one batched matmul.
+            # (`few_tokens_dispatch`), at any batch. Elsewhere, for one or two rows, copying the few
+            # chosen experts' weights reads fewer bytes than running all of them, and for more,
+            # dropless capacity slots (the same numbers) run all experts in one batched matmul
+            # (timings: benchmarks/RESULTS.md, "Sampler").
             few_tokens = batch * time <= _FEW_TOKENS_PER_EXPERT * experts
             kernel = (few_tokens or time == 1) and routed_kernel_applies(
                 x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
