@@ -54,8 +54,8 @@ class ModelConfig:
     `router_aux_loss_coef` is carried for the trainer (the model returns the raw aux loss).
     `moe_dispatch`: "dense" (every expert on every token; the readable reference), "sorted"
     (tokens sorted by expert, `jax.lax.ragged_dot`), "gmm" (the same sorted tokens through the
-    Pallas megablox grouped matmul, for TPUs; experts sharded over the `expert` mesh axis when it is
-    larger than 1), "blocked" (tokens grouped by expert in fixed-size blocks of batched matmuls) —
+    Pallas megablox grouped matmul, for TPUs; under a mesh, a `shard_map` over the token and
+    `expert` mesh axes), "blocked" (tokens grouped by expert in fixed-size blocks of batched matmuls) —
     these four give the same numbers — or "capacity" (each
     expert has ceil(`moe_capacity_factor` · tokens · k / num_experts) slots per call; assignments
     beyond that are dropped, so a token's output then depends on the other tokens of the call).

@@ -633,7 +633,7 @@ class MoE(nnx.Module):
         if dispatch is gmm_dispatch:
             interpret = self.config.moe_kernel_interpret
             active = active_mesh_and_rules()
-            if active is not None and active[0].shape.get("expert", 1) > 1:  # experts sharded: parallel
+            if active is not None:  # a Pallas call is not partitioned by XLA: shard_map over tokens and experts
                 dispatch = functools.partial(expert_parallel_gmm_dispatch, mesh=active[0], interpret=interpret)
             else:
                 dispatch = functools.partial(gmm_dispatch, interpret=interpret)

@@ -151,12 +151,15 @@ def test_expert_parallel_gmm_equals_one_device_and_dense_on_eight_devices():
     assert got[1][2].sharding.spec[0] == "expert"
 
 
-def test_moe_layer_under_a_mesh_with_an_expert_axis_runs_expert_parallel():
+@pytest.mark.parametrize("shape", [{"data": 2, "expert": 4}, {"fsdp": 8}], ids=["expert_parallel", "fsdp_only"])
+def test_moe_layer_under_a_mesh_runs_the_kernel_in_shard_map(shape):
+    """Under `use_mesh` the gmm layer is a shard_map (XLA cannot partition a Pallas call): experts over
+    `expert` when it is > 1, else every device runs all experts on its own token shard (the pods' FSDP)."""
     config = tiny_qwen3_moe(num_experts=8, moe_dispatch="gmm", moe_kernel_interpret=True)
     layer = MoE(config, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(2), (4, 6, config.hidden_size))
-    mask = jnp.ones((4, 6))
-    mesh = sharding.make_mesh({"data": 2, "expert": 4})
+    x = jax.random.normal(jax.random.key(2), (8, 3, config.hidden_size))
+    mask = jnp.ones((8, 3))
+    mesh = sharding.make_mesh(shape)
     with sharding.use_mesh(mesh):
         jaxpr = str(jax.make_jaxpr(lambda x: layer(x, mask))(x))
         out, _ = jax.jit(lambda x: layer(x, mask))(x)
