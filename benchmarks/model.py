@@ -4,8 +4,9 @@ and without the frozen-attention critic (ALGORITHMS.md §7).
 
     python benchmarks/model.py            # d_model=512, 16×256 and 16×512, then cpu_moe (~20 min, 2 cores)
     python benchmarks/model.py --quick    # one tiny shape, 2 repeats: a smoke test (under a minute)
-    python benchmarks/model.py --moe-1b 16x1024   # the ~1B bf16 preset (remat), sorted and capacity
-                                                  # dispatches against the dense twin: for an accelerator
+    python benchmarks/model.py --moe-1b 16x1024 --peak-tflops 989   # the ~1B bf16 preset (remat), the
+                                                  # accelerator's dispatches against the dense twin, MFU
+    bash benchmarks/accelerator.sh                # that, then the SAO updates at the fastest dispatch
 
 A step is `jax.value_and_grad` of the mean next-token cross-entropy (+ the router aux loss) of a
 Policy, jitted, float32 on the default JAX backend, one device. Timing is interleaved: each repeat
@@ -105,6 +106,23 @@ def step_flops(config: ModelConfig, batch: int, seq: int) -> float:
     """tokens · (6 · N_active + 12 · L · H · d_head · T)."""
     attention = 12 * config.num_layers * config.num_heads * config.head_dim * seq
     return batch * seq * (6 * active_matmul_params(config) + attention)
+
+
+def accelerator_models(big: ModelConfig, backend: str) -> tuple[dict[str, ModelConfig], frozenset]:
+    """The `--moe-1b` rows: the accelerator dispatches only (blocked is the CPU's; dense computes every
+    expert): capacity, sorted (`ragged_dot`), on a GPU sorted again through JAX's Pallas Triton
+    grouped matmul (XLA's own `ragged_dot` may pad every group to the whole batch), on a TPU the
+    megablox kernel ("gmm", TPU only), and the dense twin. Returns (rows, the rows lowered with Triton)."""
+    models = {"MoE, capacity dispatch": big.replace(moe_dispatch="capacity"),
+              "MoE, sorted dispatch": big.replace(moe_dispatch="sorted")}  # fmt: skip
+    triton = frozenset()
+    if backend == "gpu":
+        triton = frozenset({"MoE, sorted dispatch, Triton ragged_dot"})
+        models |= dict.fromkeys(triton, big.replace(moe_dispatch="sorted"))
+    if backend == "tpu":
+        models["MoE, gmm dispatch (megablox)"] = big.replace(moe_dispatch="gmm")
+    models["dense, same active"] = dense_twin(big)
+    return models, triton
 
 
 def interleaved_median_seconds(calls: dict, repeats: int) -> dict[str, float]:
@@ -255,6 +273,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 5; quick 2)")
     parser.add_argument("--moe-1b", metavar="BATCHxSEQ", help="only the ~1B bf16 preset (with remat) at this "
                         "shape, e.g. 16x1024: the dispatches on an accelerator")  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="with --moe-1b: the device's dense peak for an MFU column (bf16: 989 on H100/H200)")
+    parser.add_argument("--smoke", action="store_true",
+                        help="with --moe-1b: the tiny preset instead of moe_1b (a CPU check of the script)")
     args = parser.parse_args()
     repeats = args.repeats or (2 if args.quick else 5)
     shapes = QUICK_SHAPES if args.quick else FULL_SHAPES
@@ -263,17 +285,18 @@ def main() -> None:
               "× dense", "XLA FLOPs ÷ model", "dropped"]  # fmt: skip
 
     if args.moe_1b:
-        big = moe_1b().replace(remat=True)
-        # the accelerator dispatches only (blocked is CPU's; dense computes every expert): fewer compiles
-        models = {name: big.replace(moe_dispatch=dispatch) for name, dispatch in DISPATCH_ROWS.items()
-                  if dispatch in ("sorted", "capacity")}  # fmt: skip
-        triton = frozenset()
-        if jax.default_backend() == "gpu":  # XLA's own ragged_dot may pad every group to the whole batch
-            triton = frozenset({"MoE, sorted dispatch, Triton ragged_dot"})
-            models |= dict.fromkeys(triton, big.replace(moe_dispatch="sorted"))
-        models["dense, same active"] = dense_twin(big)
+        big = (bench_moe(quick=True) if args.smoke else moe_1b()).replace(remat=True)
+        models, triton = accelerator_models(big, jax.default_backend())
         shape = tuple(int(n) for n in args.moe_1b.split("x"))
-        print(markdown_table(header, throughput_rows(models, [shape], repeats, "dense, same active", triton)))
+        rows = throughput_rows(models, [shape], repeats, "dense, same active", triton)
+        if args.peak_tflops:  # model GFLOP/s over the peak
+            header.append(f"MFU ({args.peak_tflops:g} TFLOP/s)")
+            for row in rows:
+                row.append(f"{float(row[5]) / (args.peak_tflops * 1e3):.1%}")
+        print(markdown_table(header, rows))
+        fastest = min((row for row in rows if row[0] != "dense, same active"), key=lambda row: float(row[3]))
+        config = models[fastest[0]]
+        print(f"fastest dispatch: {config.moe_dispatch}{' triton' if fastest[0] in triton else ''}")
         return
 
     moe = bench_moe(args.quick)

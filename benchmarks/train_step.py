@@ -7,7 +7,7 @@ actor and critic updates on a model of the same size and batch.
     python benchmarks/train_step.py --preset d512-dense  # the same with dense MLPs (Tunix's exact twin)
     python benchmarks/train_step.py --preset moe_1b --dispatch sorted --batch 16 --seq 1024 --remat --no-tunix
                                                        # ~1B-parameter MoE in bfloat16, for accelerators
-    bash benchmarks/gpu_moe.sh                         # a GPU session's first checks (model.py + this, moe_1b)
+    bash benchmarks/accelerator.sh                     # a GPU/TPU session's first checks (model.py + this, moe_1b)
 
 The steps are the trainer's own (`sao_jax.train.steps.build_steps` with the default config: frozen-
 attention critic, DIS loss, skip-observation GAE with length-adaptive λ), on a synthetic batch with
@@ -154,8 +154,9 @@ def tunix_calls(tunix_ppo, config: ModelConfig, batch: int, seq: int, row_flops:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="d512")
-    parser.add_argument("--dispatch", choices=("blocked", "capacity", "sorted", "dense"), default="blocked",
-                        help="MoE dispatch (blocked: exact and fastest on CPU; sorted = ragged_dot, for GPU/TPU)")
+    parser.add_argument("--dispatch", choices=("blocked", "capacity", "sorted", "dense", "gmm"), default="blocked",
+                        help="MoE dispatch (blocked: exact and fastest on CPU; sorted = ragged_dot, for GPU/TPU; "
+                             "gmm = the megablox kernel, TPU only)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)

@@ -46,14 +46,24 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
+def jax_flags(config) -> dict[str, object]:
+    """The JAX config flags a run's config sets: {flag: value}. Applied by the entry points (`_load`),
+    never at import of the library, so importing `sao_jax` changes no JAX setting."""
+    return {"jax_ragged_dot_use_gpu_pallas_triton_lowering": config.model.ragged_dot_triton}
+
+
 def _load(args: argparse.Namespace):
     """The config of `args`; then joins a multi-process run when the flags ask for one (before any
-    other JAX call)."""
+    other JAX call) and sets the config's JAX flags (`jax_flags`)."""
     config = load_config(args.config, args.overrides)
     if args.distributed or args.coordinator is not None:
         from sao_jax.train.distributed import initialize
 
         initialize(args.coordinator, args.num_processes, args.process_id)
+    import jax
+
+    for flag, value in jax_flags(config).items():
+        jax.config.update(flag, value)
     return config
 
 

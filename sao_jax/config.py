@@ -195,6 +195,11 @@ class ModelConfig:
     # Attention of full-sequence forwards: "xla" (einsum softmax; [time, time] scores in memory) or
     # "splash" (the Pallas TPU flash kernel; interpreted, slowly, off TPU). None: the preset's ("xla").
     attention: str | None = None
+    # GPU: lower `jax.lax.ragged_dot` (the "sorted" dispatch) through JAX's Pallas Triton grouped matmul
+    # instead of XLA's own lowering (`jax_ragged_dot_use_gpu_pallas_triton_lowering`). A JAX flag: the
+    # entry point (`sao-train`, `sao-eval`: `jax_flags`) sets it before anything compiles; other
+    # backends ignore it.
+    ragged_dot_triton: bool = False
 
     def problems(self) -> list[tuple[str, str]]:
         choices = (("preset", self.preset, PRESETS), ("moe_dispatch", self.moe_dispatch, MOE_DISPATCHES),

@@ -117,3 +117,31 @@ def test_resume_flags_reach_train_and_a_resume_error_is_one_line_and_exit_2(caps
     assert calls == [{"resume": True, "allow_config_change": True}, {"resume": False, "allow_config_change": False}]
     err = capsys.readouterr().err
     assert err == f"error: no readable checkpoint in {tmp_path} (step 3: the array state.step does not match its digest)\n" * 2
+
+
+def test_the_entry_point_sets_the_ragged_dot_triton_flag_from_the_config(capsys):
+    """`model.ragged_dot_triton` reaches JAX's config through `sao-train` (here its `--gae-demo` path,
+    which loads the config and stops), and its default leaves the flag off."""
+    import jax
+
+    flag = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
+    try:
+        assert main(["--gae-demo", "model.ragged_dot_triton=true"]) == 0
+        assert jax.config.values[flag] is True
+        assert main(["--gae-demo"]) == 0
+        assert jax.config.values[flag] is False
+    finally:
+        jax.config.update(flag, False)
+    capsys.readouterr()
+
+
+def test_importing_the_library_changes_no_environment_variable_or_jax_flag():
+    program = (
+        "import os, jax; env, flags = dict(os.environ), dict(jax.config.values)\n"
+        "import sao_jax, sao_jax.models, sao_jax.models.moe, sao_jax.cli, sao_jax.train.loop\n"
+        "changed = {k for k in set(flags) | set(jax.config.values) if flags.get(k) != jax.config.values.get(k)}\n"
+        "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())\n"
+        "assert not changed, changed\n"
+    )
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr

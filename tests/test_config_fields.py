@@ -202,6 +202,7 @@ for _section in ("policy", "critic"):
 # tests that run that stage with the key set.
 ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "model.pretrained": "a Hugging Face folder to load (build_run): tests/train/test_real_inputs.py",
+    "model.ragged_dot_triton": "a JAX lowering flag the entry point sets (cli.jax_flags): tests/test_cli.py",
     **{f"sft.{name}": "the SFT stage (train.loop.run_sft): tests/train/test_sft.py, tests/train/test_loop_metrics.py"
        for name in ("steps", "target_demonstration_probability", "check_every", "probe_prompts", "batch_size",
                     "weak_demonstration_fraction", "optimizer.lr", "optimizer.weight_decay", "optimizer.max_grad_norm",

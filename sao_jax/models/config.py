@@ -25,7 +25,7 @@ from typing import Any
 import jax.numpy as jnp
 
 ROUTER_SCORINGS = ("softmax", "sigmoid")
-MOE_DISPATCHES = ("dense", "sorted", "capacity", "blocked")
+MOE_DISPATCHES = ("dense", "sorted", "capacity", "blocked", "gmm")
 ATTENTIONS = ("xla", "splash")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -53,10 +53,14 @@ class ModelConfig:
 
     `router_aux_loss_coef` is carried for the trainer (the model returns the raw aux loss).
     `moe_dispatch`: "dense" (every expert on every token; the readable reference), "sorted"
-    (tokens sorted by expert, `jax.lax.ragged_dot`), "blocked" (tokens grouped by expert in
-    fixed-size blocks of batched matmuls) — these three give the same numbers — or "capacity" (each
+    (tokens sorted by expert, `jax.lax.ragged_dot`), "gmm" (the same sorted tokens through the
+    Pallas megablox grouped matmul, for TPUs; under a mesh, a `shard_map` over the token and
+    `expert` mesh axes), "blocked" (tokens grouped by expert in fixed-size blocks of batched matmuls) —
+    these four give the same numbers — or "capacity" (each
     expert has ceil(`moe_capacity_factor` · tokens · k / num_experts) slots per call; assignments
     beyond that are dropped, so a token's output then depends on the other tokens of the call).
+    `moe_kernel_interpret`: run the "gmm" kernel in Pallas interpret mode (exact and slow: for tests
+    and CPU runs; the kernel compiles only for TPU otherwise).
     `dtype` is the compute dtype, `param_dtype` the storage dtype of parameters.
     `remat`: recompute each layer's intermediates in the backward pass (`jax.checkpoint` per layer)
     instead of keeping them, so training keeps only the layer inputs — the [batch, time, embed]
@@ -103,6 +107,7 @@ class ModelConfig:
     # computation
     moe_dispatch: str = "sorted"
     moe_capacity_factor: float = 1.25  # slots per expert relative to an even split (capacity dispatch)
+    moe_kernel_interpret: bool = False  # "gmm" in Pallas interpret mode (off TPU)
     dtype: str = "float32"
     param_dtype: str = "float32"
     remat: bool = False
@@ -504,10 +509,10 @@ def tiny_glm4_moe(**overrides) -> ModelConfig:
 def cpu_moe(vocab_size: int = 128, **overrides) -> ModelConfig:
     """The main job's model on 2 CPU cores (~1.4M parameters, ~0.5M active per token):
     Qwen3-style, 4 layers of width 128, 8 experts of width 96 with top-2 routing. Blocked dispatch:
-    on 2 CPU cores at the training batch (32×96) its step takes 1.1-1.3× the dense model with the same
-    active parameters vs 2.5-2.7× for the dense dispatch (`ragged_dot` lowers on CPU to a masked
-    dense matmul); the capacity dispatch is ~10% faster still but drops ~5% of assignments at init,
-    differently in decode steps and full forwards: train/inference mismatch (benchmarks/model.py)."""
+    the fastest exact one on the CPU, near the dense model with the same active parameters
+    (`ragged_dot` lowers on CPU to a masked dense matmul); the capacity dispatch drops assignments,
+    differently in decode steps and full forwards: a train/inference mismatch (timings and the
+    dropped share: benchmarks/RESULTS.md, "Model forward and backward")."""
     config = ModelConfig(
         model_type="qwen3_moe", vocab_size=vocab_size, hidden_size=128, num_layers=4, num_heads=4,
         num_kv_heads=2, head_dim=32, intermediate_size=256, rope_theta=10000.0, rms_norm_eps=1e-6,

@@ -22,6 +22,7 @@ from flax import nnx
 
 from sao_jax import native
 from sao_jax.models.config import ModelConfig
+from sao_jax.models.sharding import active_mesh_and_rules
 from sao_jax.models.layers import few_rows_kernel_applies, few_rows_matmul, few_rows_matmuls, normal_param
 
 
@@ -141,7 +142,8 @@ class FeedForward(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [..., embed]. The leading axes are flattened first: on XLA:CPU the backward of a
-        [batch, time, embed] matmul (contracting batch and time together) runs ~1.4× slower. A
+        [batch, time, embed] matmul (contracting batch and time together) is slower
+        (benchmarks/RESULTS.md). A
         decode step's x [batch, 1, embed] goes through `few_rows_matmuls` (gate and up in one call) and
         `few_rows_matmul` where they apply."""
         dtype = x.dtype
@@ -307,8 +309,7 @@ def few_tokens_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     C = min(tokens, 2 · ceil(tokens · k / experts)) slots per expert (twice an even share) when no
     expert got more than C assignments, else with C = tokens (room for every token), so nothing is
     dropped; with a router near balance the first branch runs, at 2 · tokens · k token-expert
-    products instead of experts · tokens. d256 MoE decoding 32 rows on the 2-core CPU: 20.2 ms a step
-    instead of 22.4 (before the kernel; the step reads every expert's weights either way).
+    products instead of experts · tokens (the step reads every expert's weights either way).
     """
     args = (x, expert_ids, weights, gate_proj, up_proj, down_proj)
     if x.dtype == gate_proj.dtype and routed_kernel_applies(x.dtype, *gate_proj.shape[1:]):
@@ -365,9 +366,8 @@ def expert_blocks(x_blocks, block_expert, gate_proj, up_proj, down_proj):
       dG_e += xᵀ·da,  dU_e += xᵀ·du,  dx = da·G_eᵀ + du·U_eᵀ,
     each block adding into its expert's slice of float32 accumulators in place. Autodiff of the batched
     form (one weight copy per block) builds a [blocks, embed, mlp] gradient per weight instead, which
-    XLA:CPU transposes and sums per expert: one d512 MoE layer's forward and backward took 392 ms that
-    way and 311 ms this way on the 2-core CPU (the dense SwiGLU of the same FLOPs: 235 ms;
-    benchmarks/RESULTS.md).
+    XLA:CPU transposes and sums per expert, more slowly (benchmarks/RESULTS.md, "Model forward and
+    backward").
     """
     return _expert_blocks_forward(x_blocks, block_expert, gate_proj, up_proj, down_proj)[0]
 
@@ -407,6 +407,149 @@ def _expert_blocks_backward(residuals, dy):
 expert_blocks.defvjp(_expert_blocks_forward, _expert_blocks_backward)
 
 
+_MIN_ROW_TILE = {2: 16, 4: 8}  # rows of a TPU sublane tile by itemsize (bfloat16 packs two rows)
+
+
+def _feature_tile(dim: int, bound: int) -> int:
+    """The k or n tile of `gmm`: the whole dim when it is at most `bound` (a full-dim block is always
+    a legal TPU block), else the largest multiple of 128 (a lane tile) that divides it and is at most
+    `bound`, else 128 (the kernel masks a ragged last tile)."""
+    if dim <= bound:
+        return dim
+    return next((t for t in range(bound // 128 * 128, 0, -128) if dim % t == 0), 128)
+
+
+def gmm_tiling(rows: int, k: int, n: int, num_groups: int, itemsize: int = 4, *, max_tile: int = 512):
+    """(tm, tk, tn) of a `gmm` of [rows, k] tokens grouped over `num_groups` experts by [groups, k, n].
+
+    tk, tn: `_feature_tile` of k and n. tm: the largest power of two in [min_tm, max_tile] with
+    tm · num_groups <= rows / 4, else min_tm (8 rows for 4-byte, 16 for 2-byte elements). A group
+    whose rows start or end inside a tile pays for the whole tile, so the kernel computes at most
+      ceil(rows / tm) · tm + (num_groups − 1) · tm   rows   (`gmm_padded_rows`),
+    and this tm keeps padded / real <= 1 + tm · num_groups / rows <= 1.25 whenever min_tm allows it
+    (rows >= 4 · min_tm · num_groups, i.e. a few dozen tokens per expert)."""
+    min_tm = _MIN_ROW_TILE.get(itemsize, 8)
+    tm = min_tm
+    while tm * 2 <= max_tile and tm * 2 * num_groups * 4 <= rows:
+        tm *= 2
+    return tm, _feature_tile(k, max_tile), _feature_tile(n, max_tile)
+
+
+def gmm_padded_rows(group_sizes, tm: int) -> int:
+    """Rows the megablox kernel computes for these group sizes at row tile tm (the token rows padded
+    to a multiple of tm, the padding counted in the last group as `gmm_swiglu` does): each nonempty
+    group covers the tiles from the one holding its first row to the one holding its last,
+      Σ_{e: n_e > 0} (ceil(end_e / tm) − floor(start_e / tm)) · tm,
+    with start_e, end_e its first and one-past-last rows. A pure function of the sizes (numbers, not
+    traced arrays), for checking the padding bound of `gmm_tiling`."""
+    sizes = [int(s) for s in group_sizes]
+    rows = sum(sizes)
+    sizes[-1] += -rows % tm  # padding rows join the last group
+    tiles, start = 0, 0
+    for size in sizes:
+        if size:
+            end = start + size
+            tiles += -(-end // tm) - start // tm
+            start = end
+    return tiles * tm
+
+
+def _gmm(lhs, rhs, group_sizes, tiling, group_offset, interpret: bool):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm  # Pallas: imported only where used
+
+    # positional: the custom VJP's non-differentiable arguments (dtype, tiling, transpose, interpret)
+    return gmm(lhs, rhs, group_sizes, lhs.dtype, tiling, group_offset, None, False, interpret)
+
+
+def gmm_swiglu(x_sorted, group_sizes, gate_proj, up_proj, down_proj, *, interpret: bool = False,
+               group_offset=None):  # fmt: skip
+    """Rows of x_sorted [rows, embed] grouped by expert (group e: the next group_sizes[e] rows) through
+    their expert's SwiGLU by the megablox grouped matmul (`gmm`; its VJP runs `gmm` for the input
+    gradient and `tgmm` for the weight gradients):
+      y_r = (silu(x_r · G_e) ⊙ x_r · U_e) · D_e   for row r of group e.
+    The rows are padded with zeros to a multiple of tm and the padding counted in the last group: a
+    zero row gives a zero output and adds nothing to any weight gradient, and every row the kernel
+    writes is then defined. With `group_offset` g the weights are the local experts g … g + E_local − 1
+    of expert parallelism; the rows of other experts come out 0 (the kernel zeroes them).
+    `interpret`: run the Pallas kernel in interpret mode (off TPU: exact, slow; for tests)."""
+    rows, embed = x_sorted.shape
+    mlp = gate_proj.shape[-1]
+    num_groups = group_sizes.shape[0]
+    tm, tk, tn = gmm_tiling(rows, embed, mlp, num_groups, jnp.dtype(x_sorted.dtype).itemsize)
+    pad = -rows % tm
+    lhs = jnp.pad(x_sorted, ((0, pad), (0, 0)))
+    group_sizes = group_sizes.astype(jnp.int32).at[-1].add(pad)
+    if group_offset is not None:
+        group_offset = jnp.asarray(group_offset, jnp.int32)
+    up_tiling, down_tiling = (tm, tk, tn), (tm, tn, tk)
+    hidden = jax.nn.silu(_gmm(lhs, gate_proj, group_sizes, up_tiling, group_offset, interpret)) * _gmm(
+        lhs, up_proj, group_sizes, up_tiling, group_offset, interpret)  # fmt: skip
+    return _gmm(hidden, down_proj, group_sizes, down_tiling, group_offset, interpret)[:rows]
+
+
+def _sort_by_expert(expert_ids, num_experts: int):
+    """(order, group_sizes) of the tokens·k assignments, as `sorted_dispatch` builds them: `order`
+    lists the flat (token·k + j) assignment indices grouped by expert (stable), group_sizes[e] the
+    assignments of expert e."""
+    flat_experts = expert_ids.reshape(-1)
+    order = jnp.argsort(flat_experts, stable=True)
+    return order, jnp.bincount(flat_experts, length=num_experts).astype(jnp.int32)
+
+
+def gmm_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, interpret: bool = False):
+    """Grouped dispatch through the Pallas megablox kernel: the (token, expert) pairs sorted by expert
+    as in `sorted_dispatch`, each expert's rows multiplied by `gmm_swiglu` (TPU tiles of its weights,
+    the rows of a tile from at most a few groups), then unsorted and combined:
+      out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t),  the same numbers as `dense_dispatch`.
+    For TPUs, where `ragged_dot` has no grouped lowering of its own; `interpret` for tests off TPU
+    (`ModelConfig.moe_kernel_interpret`)."""
+    tokens, k = expert_ids.shape
+    order, group_sizes = _sort_by_expert(expert_ids, gate_proj.shape[0])
+    out_sorted = gmm_swiglu(x[order // k], group_sizes, gate_proj, up_proj, down_proj, interpret=interpret)
+    out_pairs = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(tokens, k, -1)
+    return jnp.einsum("tkd,tk->td", out_pairs, weights.astype(x.dtype))
+
+
+def expert_parallel_gmm_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj, *, mesh,
+                                 token_axes=("data", "fsdp"), expert_axis: str = "expert",
+                                 interpret: bool = False):  # fmt: skip
+    """`gmm_dispatch` with the experts sharded over the mesh axis `expert_axis`, inside `jax.shard_map`:
+    each device holds E / n_expert experts and all of its token shard's assignments (tokens split over
+    `token_axes`, replicated over `expert_axis`), runs `gmm_swiglu` on the rows of its own experts
+    (group_offset = its first expert; the other rows come out 0), combines, and the partial outputs are
+    summed over the expert axis:
+      out_t = Σ_{devices s} Σ_{j: expert_ids[t,j] ∈ experts(s)} w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t).
+    This is MaxText's all-gather + local grouped matmul + reduce scheme rather than an all-to-all of the
+    sorted tokens: with the logical rules here (`sharding.DEFAULT_RULES`) the batch is not sharded over
+    `expert`, so the all-gather of tokens costs nothing (every expert shard already holds them), and the
+    only collective is one psum of [tokens, embed] per layer, with static shapes whatever the routing (an
+    all-to-all needs per-device buffer sizes that depend on the routing, so a capacity or a second pass).
+    The price: each device sorts and pads all its tokens' rows, of which ≈ 1 / n_expert are its own.
+    The weights enter with only the expert axis sharded (other shardings are gathered at the boundary).
+    `check_vma=False`: the Pallas kernel declares no varying-axes types for its outputs."""
+    from jax.sharding import PartitionSpec as P
+
+    token_axes = tuple(a for a in token_axes if mesh.shape[a] > 1) or None
+    num_experts = gate_proj.shape[0]
+    shards = mesh.shape[expert_axis]
+    if num_experts % shards:
+        raise ValueError(f"{num_experts} experts do not split over mesh axis {expert_axis!r} of size {shards}")
+    local = num_experts // shards
+
+    def local_experts(x, expert_ids, weights, gate_proj, up_proj, down_proj):
+        tokens, k = expert_ids.shape
+        order, group_sizes = _sort_by_expert(expert_ids, num_experts)
+        offset = jax.lax.axis_index(expert_axis) * local
+        out_sorted = gmm_swiglu(x[order // k], group_sizes, gate_proj, up_proj, down_proj, interpret=interpret,
+                                group_offset=offset)  # fmt: skip
+        out_pairs = jnp.zeros_like(out_sorted).at[order].set(out_sorted).reshape(tokens, k, -1)
+        return jax.lax.psum(jnp.einsum("tkd,tk->td", out_pairs, weights.astype(x.dtype)), expert_axis)
+
+    rows, experts = P(token_axes, None), P(expert_axis, None, None)
+    return jax.shard_map(local_experts, mesh=mesh, in_specs=(rows, rows, rows, experts, experts, experts),
+                         out_specs=rows, check_vma=False)(x, expert_ids, weights, gate_proj, up_proj, down_proj)  # fmt: skip
+
+
 # Calls with at most this many tokens per expert take `few_tokens_dispatch` (`MoE.__call__`); so do
 # all decode steps where its CPU kernel runs.
 _FEW_TOKENS_PER_EXPERT = 4
@@ -416,6 +559,7 @@ DISPATCHES = {
     "sorted": sorted_dispatch,
     "capacity": capacity_dispatch,
     "blocked": blocked_dispatch,
+    "gmm": gmm_dispatch,
 }
 
 
@@ -476,18 +620,23 @@ class MoE(nnx.Module):
         if dispatch is blocked_dispatch:
             # A decode step has so few tokens that the blocks would be a scan over about two tiny
             # blocks per expert. On the CPU one kernel runs the chosen experts on their tokens
-            # (`few_tokens_dispatch`), at any batch: d256 MoE on the 2-core CPU decoded 64 rows in
-            # 8.7 ms a step instead of 16.1 with the blocks, 128 rows in 13.6 instead of 27.1.
-            # Elsewhere, for one or two rows, copying the few chosen experts' weights reads fewer
-            # bytes than running all of them (d256 MoE at batch 1 on the 2-core CPU, before the
-            # kernel: 600 decode tokens/s instead of 200), and for more, dropless capacity slots (the
-            # same numbers) run all experts in one batched matmul.
+            # (`few_tokens_dispatch`), at any batch. Elsewhere, for one or two rows, copying the few
+            # chosen experts' weights reads fewer bytes than running all of them, and for more,
+            # dropless capacity slots (the same numbers) run all experts in one batched matmul
+            # (timings: benchmarks/RESULTS.md, "Sampler").
             few_tokens = batch * time <= _FEW_TOKENS_PER_EXPERT * experts
             kernel = (few_tokens or time == 1) and routed_kernel_applies(
                 x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
             if few_tokens or kernel:
                 few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
                 dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
+        if dispatch is gmm_dispatch:
+            interpret = self.config.moe_kernel_interpret
+            active = active_mesh_and_rules()
+            if active is not None:  # a Pallas call is not partitioned by XLA: shard_map over tokens and experts
+                dispatch = functools.partial(expert_parallel_gmm_dispatch, mesh=active[0], interpret=interpret)
+            else:
+                dispatch = functools.partial(gmm_dispatch, interpret=interpret)
         dtype = x.dtype
         packed = self.experts.decode_layout
         if kernel and packed is not None:  # a decode step, the weights packed by the sampler

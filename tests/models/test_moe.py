@@ -407,7 +407,8 @@ def test_moe_block_is_the_same_with_every_dispatch(time):
     token_mask = jnp.arange(time)[None, :] < jnp.array([[time], [time - 2]])
     outputs = {}
     for dispatch in MOE_DISPATCHES:
-        config = tiny_glm4_moe(moe_dispatch=dispatch, initializer_range=0.5, moe_capacity_factor=4.0)  # 8 experts, k 2
+        config = tiny_glm4_moe(moe_dispatch=dispatch, initializer_range=0.5, moe_capacity_factor=4.0,
+                               moe_kernel_interpret=True)  # 8 experts, k 2; "gmm" interpreted on the CPU
         block = MoE(config, rngs=nnx.Rngs(7))
         outputs[dispatch] = nnx.jit(lambda block, x, mask: block(x, mask))(block, x, token_mask)
     dense_out, dense_aux = outputs["dense"]
