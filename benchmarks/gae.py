@@ -223,7 +223,7 @@ def main():
     if "tunix" in names and "rlax" in names:
         targets = [("tunix ÷ ours ≥ 3", "tunix", ours, 3), ("tunix ÷ ours+whiten ≥ 3", "tunix",
                     "ours+whiten", 3), ("rlax ÷ ours ≥ 1", "rlax", ours, 1)]
-        print("\nissue #2 targets, at every shape: " + "; ".join(
+        print("\ntargets, at every shape: " + "; ".join(
             f"{name}: {'met' if all(s[a] / s[b] >= bound for *_, s in rows) else 'not met'}"
             for name, a, b, bound in targets))
 

@@ -1,6 +1,6 @@
 """Forward+backward throughput of the MoE decoder with each dispatch and of a dense decoder with the
 same active parameter count; then the memory of parameters, gradients and critic optimizer state with
-and without the frozen-attention critic (ALGORITHMS.md §7).
+and without the frozen-attention critic (docs/algorithms.md §7).
 
     python benchmarks/model.py            # d_model=512, 16×256 and 16×512, then cpu_moe (~20 min, 2 cores)
     python benchmarks/model.py --quick    # one tiny shape, 2 repeats: a smoke test (under a minute)

@@ -28,7 +28,7 @@ FLOP/s over the device's dense peak (`--peak-tflops`, e.g. 989 for an H100/H200 
 `jnp.dot` row is the achievable matmul rate measured here.
 
 Tunix side (CPU, `bench` extra): `benchmarks/tunix_ppo.py` builds Tunix's PPO actor update and critic
-update (Tunix's own loss functions and model, sized like ours). The issue's target:
+update (Tunix's own loss functions and model, sized like ours). The target it is held to:
     SAO step ≤ Tunix actor update + 2 × Tunix critic update
 (one SAO step does one more critic update than Tunix's PPO iteration).
 """

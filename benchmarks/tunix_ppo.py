@@ -1,8 +1,8 @@
 """Tunix's PPO learner updates, actor and critic, on a Tunix Qwen3 of a chosen size: the peer row
-that `benchmarks/train_step.py` times beside our `ttur_step` (issue #5).
+that `benchmarks/train_step.py` times beside our `ttur_step`.
 
     python benchmarks/tunix_ppo.py           # tiny demo: build, run and time both updates (seconds)
-    python benchmarks/tunix_ppo.py --d512    # the issue's model: dense d512, 4 layers, 16 × 256 tokens
+    python benchmarks/tunix_ppo.py --d512    # the reference model: dense d512, 4 layers, 16 × 256 tokens
 
 What runs (google-tunix 0.1.6). `tunix.rl.ppo.ppo_learner.PPOLearner` cannot be built without an
 `RLCluster` (a rollout engine, a tokenizer, meshes), so we go one level down, to the objects the
@@ -89,8 +89,9 @@ def tunix_qwen3_config(
 ) -> qwen3.ModelConfig:
     """Tunix's Qwen3 config of these sizes; `mlp_dim` is each expert's width when `num_experts` is set.
 
-    The issue's reference (dense d512, 4 layers, 13.6M parameters) is d_model=512, 4 layers, 8 heads
-    × 64 (4 KV heads), mlp_dim=1024, vocab 8192, tied embeddings.
+    The reference size that `benchmarks/train_step.py` compares at (`D512_SIZES`: dense d512, 4 layers,
+    13.6M parameters) is d_model=512, 4 layers, 8 heads × 64 (4 KV heads), mlp_dim=1024, vocab 8192,
+    tied embeddings.
     """
     if vocab <= FIRST_WORD_ID:
         raise ValueError(f"vocab must be > {FIRST_WORD_ID} (pad and EOS take ids 0 and 1), got {vocab}")
@@ -276,18 +277,18 @@ def make_tunix_updates(**setup: Any) -> dict[str, Callable[[], Any]]:
     return calls
 
 
-ISSUE_SIZES = dict(d_model=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1024, vocab=8192)
-ISSUE_SHAPE = (16, 256)
+D512_SIZES = dict(d_model=512, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1024, vocab=8192)
+D512_SHAPE = (16, 256)
 DEMO_SIZES = dict(d_model=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128, vocab=256)
 DEMO_SHAPE = (4, 64)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--d512", action="store_true", help="the issue's model and batch (else a tiny demo)")
+    parser.add_argument("--d512", action="store_true", help="the reference d512 model and batch (else a tiny demo)")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    sizes, (batch, seq) = (ISSUE_SIZES, ISSUE_SHAPE) if args.d512 else (DEMO_SIZES, DEMO_SHAPE)
+    sizes, (batch, seq) = (D512_SIZES, D512_SHAPE) if args.d512 else (DEMO_SIZES, DEMO_SHAPE)
     config = tunix_qwen3_config(**sizes)
     params = tunix_param_counts(config)
     flops = tunix_update_flops(config, batch=batch, seq=seq)

@@ -5,10 +5,9 @@ import os
 __version__ = "0.1.0"
 
 # XLA:CPU's default scheduler orders a program so that independent ops can run at once, and keeps
-# their buffers alive together. In a TTUR step (K critic updates, then a policy update) that kept
-# every update's temporaries at the same time (4.3 GB where each update alone needs at most 2.5) and
-# made the step 15-20 % slower on 2 cores than the same updates called one by one; with the
-# memory-ordered scheduler the one program is the faster (benchmarks/RESULTS.md, 2026-11-30). The
+# their buffers alive together. In a TTUR step (K critic updates, then a policy update) that keeps
+# every update's temporaries at the same time, and the one program runs slower than the same updates
+# called one by one; with the memory-ordered scheduler it is the faster (benchmarks/RESULTS.md). The
 # option is read from XLA_FLAGS when the first backend starts (`jax.jit(compiler_options=...)` does
 # not reach it), so it is set here, on import, unless XLA_FLAGS already names it. Other backends
 # ignore it.

@@ -1,7 +1,7 @@
 """Advantage estimators: the GAE family, λ schedules, baselines and TRACE turn credit.
 
 Every function here is pure and jit-able and has its equation in its docstring. Token arrays are
-`[batch, time]`; masks are bool or 0/1 of the same shape. ALGORITHMS.md gives the sources; a
+`[batch, time]`; masks are bool or 0/1 of the same shape. docs/algorithms.md gives the sources; a
 choice no source fixes is marked "(ours)".
 
 Trajectory notation: `prompt ‖ a_0 ‖ o_0 ‖ a_1 ‖ … ‖ a_n`. Action spans `a_i` have
@@ -79,17 +79,13 @@ def _reverse_linear_recurrence(offset: Array, decay: Array, decays: Array, metho
     `(c_t, d_t) ∘ (c_u, d_u) = (c_t·c_u, d_t + c_t·d_u)`, so `lax.associative_scan` composes every
     suffix at once (depth O(log T)), and with `x_T = 0` the offset of the suffix map from t is x_t.
 
-    Why no blocked (chunked) scan on CPU: splitting time into chunks of C, solving all chunks side
-    by side with a C-step scan, scanning the chunk carries and fixing each token up elementwise
-    (`x_t = local_t + Π_{s≥t in chunk} c_s · carry`) was measured slower than "scan" at every
-    benchmark shape, for C from 4 to 128 and several layouts (jax 0.10.2, 2-core CPU, load 3–5;
-    e.g. 8×131072: 7–19 ms against 4–5 ms). XLA:CPU runs a scan whose step touches under ~1 kB as
-    one compiled loop (~4 ns a step up to 4 lanes, then ~1 ns an element), while the chunk layout
-    costs transposes (f32 [2^17, 8] → [8, 2^17]: 0.5 ms, [8192, 128] → [128, 8192]: 1.3 ms, back
-    3.3 ms, against 0.2 ms for an elementwise pass over the same 2^20 floats), and its code for the
-    within-chunk shifts or concatenations is slower still. Reading the `[batch, time]` arrays
-    column by column instead (no transposes) saved at most ~25 % (batch 1) and was several times
-    slower at other shapes (cache-set conflicts from power-of-two strides), so is not used either.
+    Why no blocked (chunked) scan on CPU: splitting time into chunks of C, solving the chunks side by
+    side with a C-step scan, scanning the chunk carries and fixing each token up elementwise
+    (`x_t = local_t + Π_{s≥t in chunk} c_s · carry`) needs transposes into and out of the chunk
+    layout that cost more than the whole plain scan, which XLA:CPU runs as one compiled loop when a
+    step touches little memory. Reading the `[batch, time]` arrays column by column (no transposes)
+    hits cache-set conflicts at power-of-two row lengths. Both are slower than "scan" at the
+    benchmark shapes (benchmarks/RESULTS.md).
     """
     if method == "scan":
         # The scan reads the bool mask rather than a float coefficient array: fewer bytes to
@@ -99,7 +95,7 @@ def _reverse_linear_recurrence(offset: Array, decay: Array, decays: Array, metho
             x = offset_t + jnp.where(decays_t, decay, 1) * x_next
             return x, x
 
-        # unroll=1: on XLA CPU, unrolling 2, 4, 8 or 16 steps measured slower, not faster.
+        # unroll=1: unrolling is slower on XLA:CPU (benchmarks/RESULTS.md).
         _, solution = jax.lax.scan(step, jnp.zeros_like(offset[:, 0]), (offset.T, decays.T),
                                    reverse=True)
         return solution.T
@@ -164,12 +160,9 @@ def skip_observation_gae(
         batch vectorised inside each step (depth T, least work of the XLA paths); "associative" —
         `lax.associative_scan` of affine maps (depth O(log T), about twice the work and many more
         passes over memory); "auto" — "kernel" on CPU ("scan" if no compiler is found),
-        "associative" elsewhere. On the shared 2-core CPU (jax 0.10.2, f32, ~30 % observation
-        tokens, load 3.4–3.6, medians of 9 interleaved calls of `benchmarks/gae.py`) the scan beat
-        the associative scan at every benchmark shape: 128×1024: 0.80 vs 1.90 ms, 16×32768: 3.0
-        vs 6.3 ms, 1×131072: 0.79 vs 1.82 ms, 8×131072: 3.6 vs 12.2 ms; benchmarks/RESULTS.md
-        has the kernel against both. On GPU/TPU every scan iteration is a device loop step, so for
-        long sequences the O(log T) depth should win there (an expectation, not measured here).
+        "associative" elsewhere. On CPU "scan" is the faster of the two XLA paths at every benchmark
+        shape (benchmarks/RESULTS.md); on GPU/TPU every scan iteration is a device loop step, so for
+        long sequences the O(log T) depth is expected to win there.
 
     Returns:
       `(advantages, returns)`, float `[batch, time]`, holding `A_j` and `G_j` at `p_j` and zero on
@@ -241,7 +234,7 @@ def cross_observation_gae(
     lam,
     method: str = "auto",
 ) -> tuple[Array, Array]:
-    """Token-level GAE in which every valid token is a step, observations included (ALGORITHMS §2).
+    """Token-level GAE in which every valid token is a step, observations included (docs/algorithms.md §2).
 
     The design SAO argues against. With `q_0 < q_1 < …` the valid (non-padding) positions:
 
@@ -429,7 +422,7 @@ def masked_whiten(x: Array, mask: Array, shift_mean: bool = True, eps: float = 1
 
 
 def grpo_advantages(rewards: Array, eps: float = 1e-6) -> Array:
-    """GRPO: `A_i = (r_i − mean_g) / (std_g + ε)` within each group (ALGORITHMS §9).
+    """GRPO: `A_i = (r_i − mean_g) / (std_g + ε)` within each group (docs/algorithms.md §9).
 
     `rewards`: `[num_groups, group_size]`, group_size ≥ 2. std is the sample std (ddof = 1, as
     Tunix's GRPO). A group whose rewards are all equal gets A = 0.
@@ -525,7 +518,7 @@ def trace_turn_rewards(
     gamma_td: float = 0.8,
     lambda_term: float = 2.0,
 ) -> Array:
-    """TRACE per-turn rewards from a frozen reference's gold-answer log-probs (ALGORITHMS §10).
+    """TRACE per-turn rewards from a frozen reference's gold-answer log-probs (docs/algorithms.md §10).
 
     For a row with T = `num_turns` turns and ℓ̄_s = `ref_gold_logprob_mean[s]` (s = 0..T: the mean
     teacher-forced log-prob of the gold answer after s action–observation pairs):

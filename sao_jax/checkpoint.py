@@ -150,6 +150,44 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:200]}{'…' if len(first) > 200 else ''}"
 
 
+def _from_an_abandoned_read(error: BaseException | None) -> bool:
+    """Whether `error` is the late report of a read Orbax abandoned: when one array of a restore
+    fails, the restore returns while the step's other reads are still in flight, and each later ends
+    as an unraisable coroutine (its error raised in Orbax's serialization) or as TensorStore calling
+    back into the event loop the restore has closed (printed through `sys.excepthook`)."""
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    tb = error.__traceback__ if error is not None else None
+    while tb is not None:
+        if "orbax/checkpoint/_src/serialization" in tb.tb_frame.f_code.co_filename:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+_abandoned_reads_dropped = False
+
+
+def _drop_abandoned_reads() -> None:
+    """From now on, drop the reports of `_from_an_abandoned_read` (they arrive any time later, up to
+    the interpreter's exit) and pass every other unraisable or uncaught error to the hook it had."""
+    global _abandoned_reads_dropped
+    if _abandoned_reads_dropped:
+        return
+    _abandoned_reads_dropped = True
+    unraisable, excepthook = sys.unraisablehook, sys.excepthook
+
+    def unraisable_hook(report: Any) -> None:
+        if not _from_an_abandoned_read(report.exc_value):
+            unraisable(report)
+
+    def uncaught_hook(kind: type[BaseException], error: BaseException, tb: Any) -> None:
+        if not _from_an_abandoned_read(error):
+            excepthook(kind, error, tb)
+
+    sys.unraisablehook, sys.excepthook = unraisable_hook, uncaught_hook
+
+
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
     """Silence the third-party loggers around a restore attempt, and the asyncio tasks and coroutines
@@ -255,6 +293,7 @@ class Checkpointer:
             except ResumeError:
                 raise
             except Exception as error:  # noqa: BLE001 — any unreadable step is skipped, in one line
+                _drop_abandoned_reads()
                 unreadable.append((step, _cause(error)))
                 log.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, unreadable[-1][1])
                 continue

@@ -80,7 +80,7 @@ def range_problems(section: Any) -> list[tuple[str, str]]:
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    """How advantages and critic targets are computed (ALGORITHMS.md §1–3, §9, §10)."""
+    """How advantages and critic targets are computed (docs/algorithms.md §1–3, §9, §10)."""
 
     estimator: str = "skip_observation_gae"
     gamma: float = ranged(1.0, UNIT)
@@ -90,7 +90,7 @@ class AdvantageConfig:
     running_mean_window: int = ranged(8, AT_LEAST_1)
     running_mean_scope: str = "per_prompt"  # or "global"
     group_size: int = ranged(1, AT_LEAST_1)  # rollouts per prompt; grpo, rloo and trace normalise within each group
-    # TRACE turn credit (ALGORITHMS.md §10): horizon K, γ_td, λ_term, α_out, α_turn.
+    # TRACE turn credit (docs/algorithms.md §10): horizon K, γ_td, λ_term, α_out, α_turn.
     trace_k: int = ranged(3, AT_LEAST_1)
     trace_gamma_td: float = ranged(0.8, UNIT)
     trace_lambda_term: float = ranged(2.0, NON_NEGATIVE)
@@ -110,7 +110,7 @@ class AdvantageConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-    """Policy loss and keep rule (ALGORITHMS.md §4–5)."""
+    """Policy loss and keep rule (docs/algorithms.md §4–5)."""
 
     name: str = "dis"
     eps_low: float = ranged(0.3, UNIT)  # keep ratios above 1 − eps_low
@@ -143,7 +143,7 @@ class OptimizerConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig:
-    """The critic and TTUR (ALGORITHMS.md §6–8)."""
+    """The critic and TTUR (docs/algorithms.md §6–8)."""
 
     updates_per_policy_update: int = ranged(2, AT_LEAST_1)  # K in TTUR
     warmup_steps: int = ranged(5, NON_NEGATIVE)  # critic-only steps before the first policy update (SAO: 10)
@@ -177,9 +177,11 @@ class PolicyConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The policy's architecture: a preset of `sao_jax.models` (vocab sized to the tokenizer), or a
-    Hugging Face folder for `from_pretrained`."""
+class RunModelConfig:
+    """The run config's `model` section: which architecture the policy has, a preset of
+    `sao_jax.models` (vocab sized to the tokenizer) or a Hugging Face folder for `from_pretrained`,
+    and overrides of its dtypes, dispatch, remat and attention. The architecture itself is
+    `sao_jax.models.ModelConfig`, built from this section."""
 
     preset: str = "cpu_moe"  # a name in sao_jax.models.PRESETS; unused with `pretrained`
     pretrained: str | None = None
@@ -333,7 +335,7 @@ class Config:
 
     seed: int = ranged(0, NON_NEGATIVE)
     output_dir: str = "runs/default"
-    model: ModelConfig = ModelConfig()
+    model: RunModelConfig = RunModelConfig()
     env: EnvConfig = EnvConfig()
     rollout: RolloutConfig = RolloutConfig()
     sft: SFTConfig = SFTConfig()

@@ -1,4 +1,4 @@
-"""Keep rules, policy losses and the value loss (ALGORITHMS.md §4–5).
+"""Keep rules, policy losses and the value loss (docs/algorithms.md §4–6).
 
 All arrays are `[batch, time]`; masks are bool or 0/1 of the same shape. Every loss is a
 token-level mean: it sums over the action tokens of the whole batch and divides by
@@ -160,7 +160,7 @@ def _check_inputs(inputs: PolicyLossInputs, loss_name: str, needs_old_logp: bool
     if inputs.rollout_entropy is None:
         raise ValueError(
             f"policy loss {loss_name!r} needs PolicyLossInputs.rollout_entropy (every loss logs the "
-            "entropy of its masked tokens, ALGORITHMS.md §5), got None"
+            "entropy of its masked tokens, docs/algorithms.md §5), got None"
         )
     arrays = [inputs.logp, inputs.rollout_logp, inputs.advantages, inputs.action_mask,
               inputs.rollout_entropy]

@@ -1,4 +1,4 @@
-"""Parameter labels, the frozen-attention critic optimizer, and optimizer factories (ALGORITHMS.md §7).
+"""Parameter labels, the frozen-attention critic optimizer, and optimizer factories (docs/algorithms.md §7).
 
 During RL the critic trains only its MoE projections (router, routed experts, shared experts) and its
 value head; attention, embeddings and norms are frozen. Freezing is an optax partition:

@@ -1,4 +1,4 @@
-"""Advantage estimators against slow plain-Python references written from ALGORITHMS.md, against
+"""Advantage estimators against slow plain-Python references written from docs/algorithms.md, against
 rlax and Tunix, and against properties that must hold (hypothesis)."""
 
 import collections
@@ -27,7 +27,7 @@ RTOL = ATOL = 2e-5
 
 
 def ref_skip_observation_gae(r, v, m, gamma, lam):
-    """ALGORITHMS §1 with p_j the action positions, R_j = Σ r[p_j : p_{j+1}]."""
+    """docs/algorithms.md §1 with p_j the action positions, R_j = Σ r[p_j : p_{j+1}]."""
     time = len(r)
     p = [t for t in range(time) if m[t]]
     advantages, returns = np.zeros(time), np.zeros(time)

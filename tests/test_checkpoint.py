@@ -1,6 +1,9 @@
 """Orbax checkpoints: round trip, keep-N, declined saves, digests and the finite check, falling back
 past unreadable steps, moving them aside, and the stored config."""
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -189,3 +192,26 @@ def test_train_checkpoint_dir_moves_the_checkpoints_out_of_output_dir(tmp_path):
     with Checkpointer(checkpoint_dir(elsewhere), config={}) as ckpt:
         ckpt.save(1, {"x": jnp.ones(2)}, {"step": 1})
     assert (tmp_path / "elsewhere" / "1").is_dir()
+
+
+def test_the_reads_a_failed_restore_abandons_report_nothing_up_to_the_exit(tmp_path):
+    """One failing array ends Orbax's restore while the step's other reads are in flight; their late
+    errors (unraisable coroutines, TensorStore calling into a closed event loop) must not reach stderr."""
+    directory = tmp_path / "ckpt"
+    many = {f"w{i}": jax.random.normal(jax.random.key(i), (64, 64 + i)) for i in range(40)}
+    with Checkpointer(directory, config={}, async_save=False) as ckpt:
+        ckpt.save(1, many, {})
+    for path in data_files(directory / "1"):
+        path.unlink()
+    script = f"""
+import jax, jax.numpy as jnp
+from sao_jax.checkpoint import Checkpointer, ResumeError
+shapes = {{f"w{{i}}": jax.ShapeDtypeStruct((64, 64 + i), jnp.float32) for i in range(40)}}
+try:
+    Checkpointer({str(directory)!r}, config={{}}).restore_latest(shapes)
+except ResumeError:
+    print("refused")
+"""
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert done.stdout.strip() == "refused" and "Traceback" not in done.stderr, done.stderr[-2000:]

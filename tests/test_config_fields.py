@@ -3,7 +3,7 @@
 Walking the dataclasses of `sao_jax.config` recursively, every leaf field must
 
 - if numeric, declare a `Range` that loading enforces: the field set just outside it is a
-  `ConfigError` naming the key (and the issue's examples, written out by hand, are refused too);
+  `ConfigError` naming the key (and values no one could mean, written out by hand, are refused too);
 - change what a run is built from when it is perturbed (`EFFECTS`: a value, and the settings under
   which the field matters), or be on `ALLOWED_WITHOUT_EFFECT_TEST` with where its effect is tested.
 

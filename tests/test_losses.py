@@ -1,4 +1,4 @@
-"""Keep rules, policy losses and value loss against numpy written from ALGORITHMS.md §4–5 and rlax."""
+"""Keep rules, policy losses and value loss against numpy written from docs/algorithms.md §4–6 and rlax."""
 
 import functools
 

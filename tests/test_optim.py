@@ -1,4 +1,4 @@
-"""The frozen-attention critic optimizer (ALGORITHMS.md §7) on the real tiny GLM-4.5-MoE critic, and the
+"""The frozen-attention critic optimizer (docs/algorithms.md §7) on the real tiny GLM-4.5-MoE critic, and the
 optimizer factories against their formulas."""
 
 import math

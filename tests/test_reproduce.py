@@ -78,8 +78,8 @@ def raw_value(raw, dotted):
     return json.loads(json.dumps(raw))
 
 
-# The rows as the issue describes them (dotted key -> value), checked on the loaded configs.
-ISSUE_ROWS = {
+# The settings that define each ablation row (dotted key -> value), checked on the loaded configs.
+ROW_SETTINGS = {
     "table4/no_faster_value": {"critic.updates_per_policy_update": 1},
     "table4/no_frozen_attention": {"critic.trainable_patterns": [".*"]},
     "table4/vanilla_vapo": {"loss.name": "ppo_clip", "loss.eps_low": 0.2, "loss.eps_high": 0.28},
@@ -99,10 +99,10 @@ ISSUE_ROWS = {
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("row", _config_params([ABLATIONS / f"{r}.yaml" for r in ISSUE_ROWS]))
-def test_rows_hold_the_settings_of_the_issue(row):
+@pytest.mark.parametrize("row", _config_params([ABLATIONS / f"{r}.yaml" for r in ROW_SETTINGS]))
+def test_rows_hold_the_settings_that_define_them(row):
     got = flatten(plain(load_config(row)))
-    for key, value in ISSUE_ROWS[f"{row.parent.name}/{row.stem}"].items():
+    for key, value in ROW_SETTINGS[f"{row.parent.name}/{row.stem}"].items():
         assert got[key] == value, key
 
 

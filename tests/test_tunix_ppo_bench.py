@@ -111,7 +111,7 @@ def test_flop_count_covers_every_tunix_matmul_parameter(tie_embeddings, num_expe
 
 
 def test_issue_reference_model_has_13_6m_parameters():
-    assert round(bench.tunix_param_counts(bench.tunix_qwen3_config(**bench.ISSUE_SIZES))["actor"] / 1e5) == 136
+    assert round(bench.tunix_param_counts(bench.tunix_qwen3_config(**bench.D512_SIZES))["actor"] / 1e5) == 136
 
 
 class _StubCluster:

@@ -22,7 +22,9 @@ Conventions shared by all environments here:
     costs a turn. Misuse by the caller (step before reset or after the end, a non-str action) raises.
   * Each environment class also provides `generate_prompts(rng, n, difficulty=None)` — synthetic,
     deterministic given `rng` — and `demonstration(prompt)`, the gold actions (stop strings included)
-    that, fed through `step`, earn reward 1; the trainer's SFT warm start is built from them.
+    that, fed through `step`, earn reward 1; the trainer's SFT warm start is built from them. A class
+    may also provide `weak_demonstration(prompt)`, a worse demonstrator's actions, which the default
+    config mixes into SFT (`sft.weak_demonstration_fraction`; set it to 0 for a class without one).
 """
 
 from __future__ import annotations
@@ -80,14 +82,23 @@ class Environment(Protocol):
 
 class EnvironmentClass(Protocol):
     """What config lookup needs from an entry of `ENVIRONMENTS`: a constructor plus the task's prompt
-    generator and demonstrations."""
+    generator and demonstrations. `weak_demonstration` is needed only by runs that mix weak
+    demonstrations into SFT (`sft.weak_demonstration_fraction > 0`, the default); the calculator
+    tasks have it, and SFT refuses such a run, naming the key, for a class without it."""
 
     def __call__(self, **config: Any) -> Environment: ...
 
     def generate_prompts(self, rng: np.random.Generator, n: int, difficulty: int | Sequence[int] | None = None,
                          ) -> list[Prompt]: ...
 
-    def demonstration(self, prompt: Prompt) -> list[str]: ...
+    def demonstration(self, prompt: Prompt) -> list[str]:
+        """The gold actions for `prompt` (stop strings included); fed through `step` they earn reward 1."""
+
+    def weak_demonstration(self, prompt: Prompt) -> list[str]:
+        """A weaker demonstrator's actions for `prompt` (stop strings included), valid actions that
+        usually earn less than the gold ones. SFT mixes them in at `sft.weak_demonstration_fraction`,
+        so the warm-started policy sometimes makes the worse choice and RL has a decision to learn
+        (the calculator's: call the estimator instead of the exact tool)."""
 
 
 def choose_levels(rng: np.random.Generator, n: int, difficulty: int | Sequence[int] | None,

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from sao_jax.envs.base import STOP, EpisodicEnv, Prompt, StepResult, choose_levels, error_observation, new_prompt_id
+from sao_jax.envs.python_tool import run_python
 
 LEVELS = (1, 2, 3)
 MAX_EXPRESSION_CHARS = 64
@@ -191,7 +192,8 @@ class PythonToolEnv(CalculatorEnv):
     """The calculator task with the sandboxed Python tool instead: "<py>print(17*3+4)</py>" runs the
     code with `run_python` and shows its stdout as "<out>...</out>" (printable ASCII, at most
     `max_output_chars`); a failing program shows "<err>ExceptionName</err>", a slow one "<err>timeout</err>".
-    Each tool call starts a sandbox (~50 ms). The TIR setting proper is issue #7."""
+    Each tool call starts a sandbox (~50 ms). Math problems solved with this tool are env `tir`
+    (`sao_jax/envs/tir.py`)."""
 
     tool_tag = "py"
 
@@ -205,8 +207,6 @@ class PythonToolEnv(CalculatorEnv):
         return [f"<py>print({prompt.metadata['expression']})</py>{STOP}", f"A: {prompt.answer}{STOP}"]
 
     def _run_tool(self, code: str) -> str:
-        from sao_jax.envs.python_tool import run_python
-
         result = run_python(code, timeout_s=self.timeout_s, memory_mb=self.memory_mb,
                             max_output_bytes=4 * self.max_output_chars)
         if result.timed_out:

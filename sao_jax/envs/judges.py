@@ -1,4 +1,4 @@
-"""Judges for the style-shift task (ALGORITHMS.md §11): r = r_quality × r_style ∈ {0, 1}.
+"""Judges for the style-shift task (docs/algorithms.md §11): r = r_quality × r_style ∈ {0, 1}.
 
 Both judges implement `Judge.judge(text, *, topics, target_style) -> Verdict`:
   * `RuleJudge` (default): deterministic rules, below.

@@ -1,4 +1,4 @@
-"""Style-shift writing, the online non-stationary experiment (ALGORITHMS.md §11).
+"""Style-shift writing, the online non-stationary experiment (docs/algorithms.md §11).
 
 Prompt:   "Greet cat, moon:\\n"   (difficulty k = number of topics the greeting must name, 1-3)
 Action:   one line of text (stop string "\\n") -> done; reward = r_quality × r_style ∈ {0, 1} from the judge.

@@ -93,9 +93,8 @@ class KVCache:
     call (prompts of different lengths; an observation chunk; a decode step where some are done).
     Writes past `max_len` are dropped silently: size the cache for the longest sequence.
     rope: (cos, sin) [max_len, rotary_dim/2], `rope_angles` of positions 0..max_len-1. A forward
-    over the cache at the default positions (= slots) looks its angles up: a decode step evaluated
-    cos and sin inside every layer's q and k fusions on XLA:CPU, 0.3 ms of a 4.9 ms step
-    (benchmarks/RESULTS.md).
+    over the cache at the default positions (= slots) looks its angles up, since otherwise a decode
+    step evaluates cos and sin again inside every layer's q and k fusions on XLA:CPU.
     """
 
     keys: tuple[jax.Array, ...]
@@ -189,8 +188,7 @@ def causal_attention(q, k, v, allowed):
     (`AttentionLayout.build` without a cache). The same numbers at every query that sees a key (a
     padding query sees none and averages over fewer values, which nothing reads); with n blocks the
     score matmuls, masking and softmax skip (n − 1) / 2n of the full [time, time] work. Blocks are
-    ceil(time / 8) queries, at least 64: at time 256, four blocks made one layer's attention forward
-    and backward 1.5x faster on the 2-core CPU (benchmarks/RESULTS.md).
+    ceil(time / 8) queries, at least 64 (benchmarks/RESULTS.md times the block counts).
     """
     time = q.shape[1]
     size = max(64, -(-time // 8))
@@ -303,9 +301,8 @@ def _warn_interpreted() -> None:
                   stacklevel=3)  # fmt: skip
 
 
-# The most rows `few_rows_matmul_cpu` takes. d256 projections alone on the 2-core CPU: 94–103
-# GFLOP/s at 32 rows against 71–83 for XLA:CPU's dots, 93–108 against 130 at 128 rows; the d256
-# dense decode step at batch 64 took 8.6 ms with the kernel and 7.6 without.
+# The most rows `few_rows_matmul_cpu` takes: beyond it XLA:CPU's own dots are the faster
+# (benchmarks/RESULTS.md, the sampler section).
 FEW_ROWS = 32
 
 
@@ -351,10 +348,8 @@ def few_rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
 def few_rows_matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
     """[x · w for w in ws] (x [..., depth], w [depth, width_i]) as one `few_rows_matmul` against the ws
     side by side: one kernel call, one round of the thread pool, where there would be len(ws). The
-    weights do not change inside a decode loop, so XLA hoists their concatenation out of it. On the
-    2-core CPU, q, k and v in one call took the d256 MoE decode step (batch 32) 3–4 % less time
-    (median ratio over 60 alternations in one process: 0.961, 0.967, 0.964; batch 1: 0.969); with
-    the dense MLP's gate and up too, the d256 dense step 1–2 % less (0.990, 0.984)."""
+    weights do not change inside a decode loop, so XLA hoists their concatenation out of it. The
+    sampler joins q, k and v, and a dense MLP's gate and up, this way (benchmarks/RESULTS.md)."""
     y = few_rows_matmul(x, jnp.concatenate(ws, axis=1))
     ends = [sum(w.shape[1] for w in ws[: i + 1]) for i in range(len(ws) - 1)]
     return jnp.split(y, ends, axis=-1)

@@ -41,13 +41,9 @@ constexpr int64_t kRows = 4;       // slots scored at once (their loads of q are
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kMaxTaskHeads = 8;     // kv heads one task reads together
 constexpr int64_t kMaxTaskFloats = 4096; // query heads × head_dim of one task
-// Slots ahead of the one being read whose K (or V) lines are prefetched. The hardware prefetchers
-// left the reads waiting on memory: on the 2-core CPU, a call over caches evicted from L3 (32 rows
-// × 160 slots, 2 kv heads × 64) took 0.48 ms with 16 slots ahead against 0.59–0.75 ms without,
-// when a task read one kv head of each slot; reading whole rows, 0.29–0.31 ms at 4 to 24 ahead.
-// Into L2 rather than L1, 32 slots ahead rather than 16 into L1: L1 tracks fewer misses at once, and
-// the prefetches waited on it. The d256 MoE decode step (batch 32, alternated in one process) took
-// 4.64–5.32 ms against 5.05–5.58.
+// Slots ahead of the one being read whose K (or V) lines are prefetched: the hardware prefetchers
+// alone leave the reads waiting on memory. Into L2 rather than L1, 32 slots ahead rather than 16
+// into L1: L1 tracks fewer misses at once, and the prefetches waited on it (benchmarks/RESULTS.md).
 constexpr int64_t kAhead = 32;
 
 template <typename KV>
@@ -90,8 +86,8 @@ struct Shape {
 // One task: query t of row b, kv heads [j0, j0 + task_heads) and their `group` query heads each,
 // over slots [0, n), a block of slots at a time with an online softmax (running max m, sum l and
 // unnormalized output acc per query head). A task takes all of a row's kv heads when it can: a
-// slot's K (and V) row is then read whole, which the 2-core CPU served at 23–29 GB/s against
-// 11–12 GB/s for one kv head of every slot (32 rows × 160 slots, caches evicted from L3).
+// slot's K (and V) row is then read whole, which memory serves about twice as fast as one kv head
+// of every slot (benchmarks/RESULTS.md).
 template <typename KV, int64_t group>
 void AttendTask(const float* q, const KV* k, const KV* v, const int32_t* num_keys, float* out,
                 const Shape& s, int64_t task_heads, int64_t task) {

@@ -12,20 +12,12 @@
 // Packed weights (`SaoExpertSwigluPacked`, `moe.pack_experts`): per expert the three matrices one
 // after the other, each as [width / 16][depth][16], so a 16-column strip's weights for all depths
 // are contiguous; a task reads them in memory order with the strip's sums in registers down the
-// whole depth, prefetching kStripAhead lines ahead. A d256 layer's experts, one thread a task, two
-// threads: 0.29 ms against 0.40–0.47 for the panels with the weights in L3 (C++ harness). The
-// sampler packs once per weight version (`Sampler._packed_experts`); decode steps against the
-// panels, median ratio of paired chunks in one process: d256 MoE batch 32 0.913 (faster in 51 of
-// 60), batch 1 0.958, d512 MoE batch 32 0.929. Prefetch distance (d256, batch 32): 64 lines 0.930–0.940,
-// 128 0.915, 256 0.912, none 1.053.
-// Measured on the 2-core CPU, d256 MoE (8 experts, 256 → 512 → 256) with about 8 tokens an expert,
-// the experts alone: 0.58–0.65 ms a layer against 0.75 for a first kernel that kept the
-// sums of whole rows in L1 and read the weights row after row, 1.27–1.66 ms for the batched dot,
-// 0.31 ms to only read the weights; d512 (1024 wide), 2.8–3.1 ms against 4.5 for the batched dot.
-// Without the prefetch, 0.88 ms; a strip of 16 columns read down all rows with sums in registers
-// throughout (no panels), 0.85 ms: strided reads from DRAM. Keeping the rows' inputs and sums in
-// the group orders below (one pointer for a block's 8 rows, not 8) took a d256 layer from
-// 0.68–0.80 to 0.55–0.60 ms and a d512 layer from 3.4–3.5 to 2.5 ms, alternated in one process.
+// whole depth, prefetching kStripAhead lines ahead. The sampler packs once per weight version
+// (`Sampler._packed_experts`); the packed layout is the faster of the two at decode.
+// Panels beat a strip of 16 columns read down all rows with the sums in registers throughout (no
+// panels), whose reads from DRAM are strided, and both beat XLA's batched dot over padded slots.
+// The rows' inputs and sums are kept in the group orders below (one pointer for a block's 8 rows,
+// not 8). benchmarks/RESULTS.md (the sampler section) has the timings of each of these choices.
 // The tasks run over XLA's intra-op pool. silu(z) = z · sigmoid(z), sigmoid from
 // `ExpNonPositive` of −|z| (relative error < 2e-7).
 

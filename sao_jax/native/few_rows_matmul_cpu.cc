@@ -1,14 +1,13 @@
 // A decode step's projections on the CPU, as one XLA FFI call: y [n, width] = x [n, depth] · w [depth,
 // width] for a few rows n (one per sequence), width a multiple of 16.
-// Why a kernel: XLA:CPU ran the d256 decode step's [32, 256] · [256, 128 … 1024] dots at about
-// 70–93 GFLOP/s (traced). Here a task takes a range of 16-column strips; for each group of up to 8
+// Why a kernel: XLA:CPU runs a decode step's few-row dots ([32, 256] · [256, 128 … 1024] at d256)
+// well below the core's matmul rate. Here a task takes a range of 16-column strips; for each group of up to 8
 // rows and each strip it keeps the group's 8 × 16 sums in registers down the whole depth, so no
 // partial sum goes through memory, and the strip's weights come in row after row (a cache line each).
 // Rows go in groups of 8, 4, 2, 1 (cpu_common.h's ForGroups); a group's inputs are first copied in
 // depth order [depth][R] (CopyByDepth), so one pointer reaches the R inputs of a depth. Groups of
 // fewer than 4 rows split each sum into 4 / R chains over alternate depths: one or two rows' chains
-// are too few to hide the FMA latency (32 GFLOP/s for one row, 60 for two, 109–117 for 4–14 on one
-// core, inputs in L1).
+// are too few to hide the FMA latency (benchmarks/RESULTS.md has the rates by rows).
 
 #include <algorithm>
 #include <cstdint>

@@ -8,10 +8,9 @@
 // Why a kernel: XLA:CPU runs a `lax.scan` step as a loop iteration with a fixed overhead and
 // moves the [batch, time] arrays to time-major and back around it; this loop reads each row in
 // place. Rows are processed two at a time, interleaved, so the dependent chain of one row (one
-// multiply-add or add, then a select, per token) overlaps with the other's. Measured on the 2-core
-// CPU (a standalone loop, f32, row lengths 1024–131072): 1.47 ns a token one row at a time,
-// 0.93 two at a time, 6.4 four and 16 eight at a time — with power-of-two row lengths the rows'
-// tokens t share a cache set, and 4 rows × 5 arrays outnumber its ways.
+// multiply-add or add, then a select, per token) overlaps with the other's. Not more than two: with
+// power-of-two row lengths the rows' tokens t share a cache set, and 4 rows × 5 arrays outnumber its
+// ways (benchmarks/RESULTS.md has the per-token times).
 
 #include <cstdint>
 

@@ -12,8 +12,9 @@ Pieces
                      runs the rollout function and pushes the finished trajectory into a bounded queue
                      (workers block while it is full); `get_batch` hands trajectories out in
                      completion order.
-`SyncRolloutEngine`  the same consumer API without threads: rollouts run inside `get_batch`, in prompt
-                     order, so a run is bit-reproducible.
+
+The trainer's async mode (`train.mode=async`) runs this engine; its sync mode rolls out in lockstep
+without it (`sao_jax/train/loop.py::LockstepBatches`).
 
 The rollout function (injected; the trainer wires the agent loop in)
 --------------------------------------------------------------------
@@ -29,8 +30,7 @@ returns  a `Trajectory`. The engine replaces its `prompt_id` with the prompt's i
          are unique within a run and shared by the members of a group. Raising, or returning anything
          but a `Trajectory`, is a failed rollout: counted, recorded in `failures`, logged — it costs
          that trajectory only, never the engine.
-`RolloutEngine` calls it from several threads at once, so it must be thread-safe (JAX dispatch is);
-`SyncRolloutEngine` calls it from the consumer's thread.
+`RolloutEngine` calls it from several threads at once, so it must be thread-safe (JAX dispatch is).
 
 Prompt indices and keys
 -----------------------
@@ -56,7 +56,7 @@ Group mode (GRPO comparison)
 n trajectories enter the queue together once all have finished, and `get_batch` hands out whole
 groups, members in order, so `batch_size` must be a multiple of n. If a member fails, its group is
 discarded (the survivors are counted in `trajectories_discarded`): a group baseline needs the whole
-group. Groups still stream in completion order; for lockstep batches use `SyncRolloutEngine`.
+group. Groups still stream in completion order.
 
 Accounting and resume
 ---------------------
@@ -68,8 +68,7 @@ them, and
 
 To resume, checkpoint the prompt source's own state together with `state().next_prompt_index`, and pass
 that as `start_index` to the new engine. Unconsumed and in-flight prompts of the old run are not
-replayed; their indices are reported (by `close()` too) so the loss is visible. `SyncRolloutEngine`
-never holds any, so a resumed deterministic run continues exactly.
+replayed; their indices are reported (by `close()` too) so the loss is visible.
 """
 
 from __future__ import annotations
@@ -222,7 +221,7 @@ def _draw(prompts) -> Any:
 
 
 class _Ledger:
-    """Counters and timings both engines report (the threaded engine guards it with its lock)."""
+    """Counters and timings the engine reports (guarded by the engine's lock)."""
 
     def __init__(self) -> None:
         self.started_s = time.monotonic()
@@ -281,60 +280,7 @@ class _Ledger:
         }
 
 
-class _EngineBase:
-    """What both engines share: arguments, the ledger, metrics and the context manager."""
-
-    def __init__(
-        self,
-        rollout_fn: RolloutFn,
-        prompts: Iterable[Any],
-        weights: WeightStore,
-        key: jax.Array,
-        *,
-        group_size: int = 1,
-        max_staleness: int | None = None,
-        start_index: int = 0,
-    ):
-        if group_size < 1:
-            raise ValueError(f"group_size must be >= 1 (got {group_size})")
-        if max_staleness is not None and max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0 or None (got {max_staleness})")
-        if start_index < 0:
-            raise ValueError(f"start_index must be >= 0 (got {start_index})")
-        self._rollout_fn = rollout_fn
-        self._prompts = iter(prompts)
-        self._weights = weights
-        self._key = key
-        self.group_size = group_size
-        self.max_staleness = max_staleness
-        self.start_index = start_index
-        self._next_index = start_index
-        self._closed = False
-        self._ledger = _Ledger()
-        self._cond = threading.Condition()  # guards the ledger (and, in RolloutEngine, the queue state)
-
-    def _check_batch_size(self, batch_size: int) -> None:
-        if batch_size < 1 or batch_size % self.group_size:
-            raise ValueError(
-                f"get_batch: batch_size must be a positive multiple of group_size={self.group_size} (got {batch_size})"
-            )
-        if self._closed:
-            raise RuntimeError("get_batch on a closed rollout engine")
-
-    @property
-    def failures(self) -> tuple[RolloutFailure, ...]:
-        """The most recent failed rollouts (at most MAX_RECORDED_FAILURES)."""
-        with self._cond:
-            return tuple(self._ledger.failures)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-
-class RolloutEngine(_EngineBase):
+class RolloutEngine:
     """Asynchronous single-rollout engine: worker threads stream finished trajectories to a bounded queue.
 
     queue_capacity counts trajectories (a group counts as group_size); a worker whose trajectory
@@ -355,10 +301,23 @@ class RolloutEngine(_EngineBase):
         max_staleness: int | None = None,
         start_index: int = 0,
     ):
-        super().__init__(
-            rollout_fn, prompts, weights, key,
-            group_size=group_size, max_staleness=max_staleness, start_index=start_index,
-        )
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1 (got {group_size})")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None (got {max_staleness})")
+        if start_index < 0:
+            raise ValueError(f"start_index must be >= 0 (got {start_index})")
+        self._rollout_fn = rollout_fn
+        self._prompts = iter(prompts)
+        self._weights = weights
+        self._key = key
+        self.group_size = group_size
+        self.max_staleness = max_staleness
+        self.start_index = start_index
+        self._next_index = start_index
+        self._closed = False
+        self._ledger = _Ledger()
+        self._cond = threading.Condition()  # guards the ledger and the queue state
         if num_workers < 1:
             raise ValueError(f"num_workers must be >= 1 (got {num_workers})")
         if queue_capacity < group_size:
@@ -366,7 +325,7 @@ class RolloutEngine(_EngineBase):
         self.queue_capacity = queue_capacity
         # Lock order: _source_lock before _cond, never the reverse.
         self._source_lock = threading.Lock()  # the prompt source, _open_group and _exhausted
-        # self._cond (from _EngineBase) guards everything else below.
+        # self._cond guards everything else below.
         self._open_group: _Group | None = None  # a group some of whose members are not yet assigned
         self._live: dict[int, _Group] = {}  # every prompt taken and not yet consumed, dropped or failed
         self._queue: collections.deque[_Group] = collections.deque()  # finished groups, completion order
@@ -386,6 +345,26 @@ class RolloutEngine(_EngineBase):
         self._workers_running = num_workers  # once 0, no trajectory will arrive any more
         for thread in self._threads:
             thread.start()
+
+    def _check_batch_size(self, batch_size: int) -> None:
+        if batch_size < 1 or batch_size % self.group_size:
+            raise ValueError(
+                f"get_batch: batch_size must be a positive multiple of group_size={self.group_size} (got {batch_size})"
+            )
+        if self._closed:
+            raise RuntimeError("get_batch on a closed rollout engine")
+
+    @property
+    def failures(self) -> tuple[RolloutFailure, ...]:
+        """The most recent failed rollouts (at most MAX_RECORDED_FAILURES)."""
+        with self._cond:
+            return tuple(self._ledger.failures)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
 
     # ---- workers -------------------------------------------------------------------------------
 
@@ -551,70 +530,3 @@ class RolloutEngine(_EngineBase):
                 len(state.in_flight_indices),
             )
         return state
-
-
-class SyncRolloutEngine(_EngineBase):
-    """Deterministic mode: no threads; `get_batch` rolls out the next prompts in order, then returns.
-
-    Same keys (`rollout_key`), staleness rule, group handling and counters as `RolloutEngine`, so the
-    same algorithm runs in lockstep: with the same source, weights and key, two runs are identical.
-    Time inside `get_batch` is the rollout time, so it counts as trainer idle time.
-    """
-
-    def get_batch(self, batch_size: int, timeout_s: float | None = None) -> list[Trajectory]:
-        """The next `batch_size` kept trajectories; fewer only when the source runs out.
-
-        `timeout_s` is accepted for API compatibility and ignored (nothing runs ahead to wait for).
-        """
-        del timeout_s
-        self._check_batch_size(batch_size)
-        began_s = time.monotonic()
-        batch: list[Trajectory] = []
-        try:
-            while len(batch) < batch_size:
-                prompt = _draw(self._prompts)
-                if prompt is _EXHAUSTED:
-                    break
-                group = _Group(self._next_index, prompt, self.group_size)
-                self._next_index += 1
-                for member in range(group.size):
-                    result = _run_rollout(self._rollout_fn, group, member, self._weights, self._key)
-                    self._ledger.record_rollout(result)
-                    group.add(member, result)
-                if group.failed:
-                    self._ledger.record_failed_group(group)
-                elif self._ledger.settle(group, self._weights.version, self.max_staleness):
-                    batch.extend(group.trajectories)
-        finally:
-            self._ledger.idle_s += time.monotonic() - began_s
-        return batch
-
-    def metrics(self) -> dict[str, Any]:
-        """The same keys as `RolloutEngine.metrics()`; the queue is always empty."""
-        return {
-            "queue_depth": 0,
-            "queue_depth_max": 0,
-            "queue_capacity": 0,
-            "workers_blocked": 0,
-            "prompts_taken": self._next_index - self.start_index,
-            **self._ledger.metrics(),
-        }
-
-    def state(self) -> EngineState:
-        return EngineState(
-            start_index=self.start_index,
-            next_prompt_index=self._next_index,
-            prompts_consumed=self._ledger.prompts_consumed,
-            prompts_dropped=self._ledger.prompts_dropped,
-            prompts_failed=self._ledger.prompts_failed,
-            unconsumed_indices=(),
-            in_flight_indices=(),
-            threads_alive=0,
-        )
-
-    def close(self, timeout_s: float = 30.0) -> EngineState:
-        del timeout_s
-        self._closed = True
-        if self._ledger.stopped_s is None:
-            self._ledger.stopped_s = time.monotonic()
-        return self.state()

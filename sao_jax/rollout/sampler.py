@@ -148,8 +148,8 @@ def slot_uniforms(keys: jax.Array, slots: jax.Array) -> jax.Array:
 
     For threefry keys (JAX's default) the two hashes — fold_in's, then the uniform's bits — are
     written out here: XLA:CPU lowers JAX's threefry as a 5-iteration while loop, and those two loops
-    and their copies took 0.16 ms of a 32-row d256 decode step on the 2-core CPU (traced; the step's
-    sampling fell from 0.38 to 0.23 ms). The same numbers as JAX's: fold_in(k, d) hashes the counter
+    and their copies take much of a decode step's sampling time (benchmarks/RESULTS.md). The same
+    numbers as JAX's: fold_in(k, d) hashes the counter
     (0, d) under k; a uniform of shape () hashes (0, 0) under that key and takes the high 23 bits of
     the two words' XOR as the mantissa of a float in [1, 2), minus 1. Other key implementations, and
     `jax_threefry_partitionable` off (other bits), take `jax.random` itself."""
@@ -173,13 +173,12 @@ def sample_from(u: jax.Array, log_mu: jax.Array) -> jax.Array:
     """One token (int32) from μ = exp(log_mu) [vocab], by inversion at u ∈ [0, 1): the first v whose
     cumulative mass Σ_{w≤v} μ_w reaches (1 − u) · Σ_w μ_w, so a token with μ_v = 0 is never drawn
     ((1 − u) > 0). One uniform number per token, where `jax.random.categorical` draws a Gumbel variate
-    (two logs) for every vocabulary entry: 0.55 ms of a 32-row decode step on the 2-core CPU.
+    (two logs) for every vocabulary entry.
 
     The cumulative mass is found in two short prefix sums: over the totals of blocks of
     `_INVERSION_BLOCK` entries, then inside the block that reaches the target. XLA:CPU runs a cumsum
-    as a tree of reduce-windows: one over the vocabulary took 0.25 ms a step for 32 rows of 1,024,
-    two short ones 0.07; written as masked sums (`_prefix_sums`, one fusion each) the step's sampling
-    took 0.20 ms against 0.23 with the two short cumsums (traced). Float rounding can put the
+    as a tree of reduce-windows, slow over a whole vocabulary; two short ones written as masked sums
+    (`_prefix_sums`, one fusion each) are cheaper still (benchmarks/RESULTS.md). Float rounding can put the
     boundary on an entry of no mass (never seen); the block's likeliest entry is drawn then."""
     mass = jnp.exp(log_mu)
     vocab, size = mass.shape[0], _INVERSION_BLOCK
@@ -240,8 +239,8 @@ class Sampler:
         self.config = policy.config
         self.chunk_size = chunk_size
         self.log_probs = functools.partial(sampling_log_probs, temperature=temperature, top_k=top_k, top_p=top_p)
-        # XLA:CPU's YNNPACK dot fusions ran a decode step's few-row matmuls (32 × 256 · 256 × 1024)
-        # about 3x slower than its own dot emitter on the 2-core CPU (benchmarks/RESULTS.md): off here.
+        # XLA:CPU's YNNPACK dot fusions are off here: a decode step's few-row matmuls
+        # (32 × 256 · 256 × 1024) run slower with them than with XLA's own dot emitter (benchmarks/RESULTS.md).
         options = {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2,), compiler_options=options)
         self._decode_chunk = jax.jit(self._decode_chunk_impl, donate_argnums=(2,), static_argnums=(6,),

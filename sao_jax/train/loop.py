@@ -31,16 +31,19 @@ from tqdm.auto import tqdm
 from sao_jax import models
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
-from sao_jax.config import Config, OptimizerConfig, to_dict
+from sao_jax.config import Config, ConfigError, OptimizerConfig, to_dict
 from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
 from sao_jax.data.datasets import DatasetError, read_prompts
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import Prompt, environment_class
+from sao_jax.envs.judges import STYLES
+from sao_jax.envs.style_shift import StyleSchedule
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.models import sharding
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
 from sao_jax.outputs import OutputMirror, check_writable, free_name, is_url, join
-from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig, RolloutService
+from sao_jax.rollout.engine import RolloutEngine, WeightStore
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
@@ -111,6 +114,9 @@ def build_run(config: Config) -> Run:
                  (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype),
                   ("attention", model.attention))
                  if value is not None} | ({"remat": True} if model.remat else {})  # fmt: skip
+    if model.moe_dispatch == "gmm" and jax.default_backend() != "tpu":
+        raise ConfigError(f"model.moe_dispatch=gmm is the Pallas megablox kernel, which compiles only on a TPU "
+                          f"(this machine's backend is {jax.default_backend()}): choose sorted, capacity or dense")
     if model.pretrained:
         models.read_hf_config(model.pretrained)  # a missing folder or broken config.json: named before anything loads
         tokenizer = HFTokenizer.from_folder(model.pretrained)
@@ -154,8 +160,6 @@ def env_options(config: Config) -> dict[str, Any]:
     ([[step, style], ...]) become the one `StyleSchedule` every episode shares (the loop moves it)."""
     options = dict(config.env.options)
     if config.env.name == "style_shift" and "switches" in options:
-        from sao_jax.envs.style_shift import StyleSchedule
-
         options["schedule"] = StyleSchedule(tuple(map(tuple, options.pop("switches"))))
     return options
 
@@ -193,8 +197,6 @@ def style_metrics(trajectories: list[Trajectory], schedule) -> dict[str, Any]:
     """Online experiment (style_shift): the rewarded style and each style's share of the trajectories."""
     if schedule is None:
         return {}
-    from sao_jax.envs.judges import STYLES
-
     styles = [t.info.get("env_info", {}).get("style") for t in trajectories]
     shares = {f"train/style_share/{s}": styles.count(s) / max(len(styles), 1) for s in STYLES}
     return {"train/target_style": schedule.current_style, **shares}
@@ -225,11 +227,11 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
     """Fit the policy to demonstrations; returns the policy's trained params. With `sft.cache_dir`, a
     warm start already trained under the same settings is loaded instead (its metric lines replayed),
     and a new one is stored there."""
-    cfg = run.config.sft
+    sft_cfg = run.config.sft
     graph, params, buffers = steps_lib.split_model(run.policy)
-    if cfg.steps == 0:
+    if sft_cfg.steps == 0:
         return params
-    cached = Path(cfg.cache_dir) / f"sft_{sft_cache_key(run.config)}.npz" if cfg.cache_dir else None
+    cached = Path(sft_cfg.cache_dir) / f"sft_{sft_cache_key(run.config)}.npz" if sft_cfg.cache_dir else None
     if cached is not None and cached.exists():
         with np.load(cached, allow_pickle=False) as stored:
             leaves, treedef = jax.tree.flatten(params)
@@ -253,11 +255,11 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
 def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list) -> Any:
     """The SFT steps themselves, until the probe reaches its target or `sft.steps` (`SFTConfig`); each
     metric line written is also appended to `lines`."""
-    cfg = run.config.sft
-    if cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
+    sft_cfg = run.config.sft
+    if sft_cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
         raise ValueError(f"sft.weak_demonstration_fraction: environment {run.config.env.name!r} has no weak "
                          "demonstrator (set it to 0)")
-    tx = optimizer(cfg.optimizer)
+    tx = optimizer(sft_cfg.optimizer)
     update = run.cluster.step(make_sft_update(graph, buffers, tx))
     params = run.cluster.place(params)
     opt_state = run.cluster.place(tx.init(params))
@@ -266,32 +268,33 @@ def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: l
 
     # Every batch holds the same number of weak demonstrations (at random rows): the tool choice the
     # policy learns then does not drift with the batches' own mix, which a constant rate would follow.
-    num_weak = round(cfg.weak_demonstration_fraction * cfg.batch_size)
+    num_weak = round(sft_cfg.weak_demonstration_fraction * sft_cfg.batch_size)
 
-    with tqdm(range(cfg.steps), desc="sft", leave=False) as bar:
+    with tqdm(range(sft_cfg.steps), desc="sft", leave=False) as bar:
         for i in bar:
-            prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.batch_size)]
-            weak = np.isin(np.arange(cfg.batch_size), rng.choice(cfg.batch_size, num_weak, replace=False))
+            prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), sft_cfg.batch_size)]
+            weak = np.isin(np.arange(sft_cfg.batch_size), rng.choice(sft_cfg.batch_size, num_weak, replace=False))
             demos = [demonstration_trajectory(run.env_factory(p), p, run.demonstration(p, weak=bool(w)), run.tokenizer,
                                               add_bos=run.chat_format is None) for p, w in zip(prompts, weak)]  # fmt: skip
-            batch = collate(demos, batch_size=cfg.batch_size, buckets=run.buckets)
+            batch = collate(demos, batch_size=sft_cfg.batch_size, buckets=run.buckets)
             params, opt_state, metrics = update(params, opt_state, batch)
             line = {"stage": "sft", "sft/step": i, **jax.tree.map(float, jax.device_get(metrics))}
-            checked = cfg.target_demonstration_probability > 0 and (i + 1) % cfg.check_every == 0
+            checked = sft_cfg.target_demonstration_probability > 0 and (i + 1) % sft_cfg.check_every == 0
             if checked:
                 probe = probe or demonstration_probe(run, graph, buffers)
                 line["sft/demonstration_probability"] = float(probe(params))
-            reached = checked and line["sft/demonstration_probability"] >= cfg.target_demonstration_probability
-            if i % 25 == 0 or checked or reached or i == cfg.steps - 1:
-                lines.append(line | ({"sft/stopped_at_target": int(reached)} if reached or i == cfg.steps - 1 else {}))
+            reached = checked and line["sft/demonstration_probability"] >= sft_cfg.target_demonstration_probability
+            last = i == sft_cfg.steps - 1
+            if i % 25 == 0 or checked or reached or last:
+                lines.append(line | ({"sft/stopped_at_target": int(reached)} if reached or last else {}))
                 writer.write(0, lines[-1])
                 bar.set_postfix(nll=f"{line['sft/nll']:.3f}", acc=f"{line['sft/token_accuracy']:.3f}",
                                 **({"p_demo": f"{line['sft/demonstration_probability']:.2f}"} if checked else {}))
             if reached:
                 break
-    if not reached and cfg.target_demonstration_probability > 0:
+    if not reached and sft_cfg.target_demonstration_probability > 0:
         log.warning("sft: the warm start did not reach sft.target_demonstration_probability=%s within sft.steps=%d",
-                    cfg.target_demonstration_probability, cfg.steps)
+                    sft_cfg.target_demonstration_probability, sft_cfg.steps)
     return params
 
 
@@ -323,19 +326,19 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     state with the pretrained critic and a fresh RL critic optimizer state (`critic_tx`). `state` is
     consumed (its buffers are donated)."""
     config = run.config
-    cfg = config.critic
+    critic_cfg = config.critic
     critic_free = ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
-    if cfg.pretrain_rollouts == 0 or critic_free:  # critic-free baselines never read the critic
+    if critic_cfg.pretrain_rollouts == 0 or critic_free:  # critic-free baselines never read the critic
         return run.cluster.place(state.replace(critic_opt_state=critic_tx.init(state.critic_params)))
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, _VALUE_PRETRAIN])
-    prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), cfg.pretrain_rollouts)]
+    prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
     corpus, failed = usable(rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1)))
     tx, value_update = value_pretraining_update(graphs, config)
     value_update = run.cluster.step(value_update)
     pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
     batch_size = config.train.batch_size
-    for epoch in tqdm(range(cfg.pretrain_epochs), desc="value pretraining", leave=False):
+    for epoch in tqdm(range(critic_cfg.pretrain_epochs), desc="value pretraining", leave=False):
         order = rng.permutation(len(corpus))
         epoch_metrics = []
         for start in range(0, len(order) - batch_size + 1, batch_size):
@@ -351,17 +354,18 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
 def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
     """(optimizer, jitted value update) of value pretraining: `critic.pretrain_lr`, on the leaves of
     `critic.pretrain_trainable_patterns` (None: `critic.trainable_patterns`, as in RL)."""
-    cfg = config.critic
-    trainable = cfg.trainable_patterns if cfg.pretrain_trainable_patterns is None else cfg.pretrain_trainable_patterns
-    tx = steps_lib.guard_nonfinite(train_only(adamw(cfg.pretrain_lr), trainable))
+    critic_cfg = config.critic
+    trainable = (critic_cfg.trainable_patterns if critic_cfg.pretrain_trainable_patterns is None
+                 else critic_cfg.pretrain_trainable_patterns)
+    tx = steps_lib.guard_nonfinite(train_only(adamw(critic_cfg.pretrain_lr), trainable))
     update = steps_lib.make_value_update(graphs, tx, config, trainable)
     return tx, jax.jit(steps_lib.sequence(update), donate_argnums=0)
 
 
-def optimizer(cfg: OptimizerConfig):
+def optimizer(opt_cfg: OptimizerConfig):
     """AdamW of an `optimizer` section: its learning rate warmed up linearly over `warmup_steps` updates."""
-    lr = learning_rate_schedule(cfg.lr, warmup_steps=cfg.warmup_steps)
-    return adamw(lr, max_grad_norm=cfg.max_grad_norm, weight_decay=cfg.weight_decay)
+    lr = learning_rate_schedule(opt_cfg.lr, warmup_steps=opt_cfg.warmup_steps)
+    return adamw(lr, max_grad_norm=opt_cfg.max_grad_norm, weight_decay=opt_cfg.weight_decay)
 
 
 def make_optimizers(config: Config):
@@ -516,9 +520,6 @@ class StreamingBatches:
 
     def __init__(self, run: Run, rollout_loop: AgentLoop | ProcessRollouts, weights, start_step: int,
                  host: dict[str, Any]):  # fmt: skip
-        from sao_jax.rollout.agent_loop import RolloutService
-        from sao_jax.rollout.engine import RolloutEngine, WeightStore
-
         config = run.config
         self.run, self.cluster = run, run.cluster
         self.process, self.processes = jax.process_index(), jax.process_count()
@@ -631,20 +632,20 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
 
 def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
     """What RL step `step` (1-based) does: (critic-only warmup, evaluate after it, checkpoint after it)."""
-    cfg = config.train
-    last = step == cfg.steps
-    return (step <= config.critic.warmup_steps, step % cfg.eval_every == 0 or last,
-            step % cfg.checkpoint_every == 0 or last)  # fmt: skip
+    train_cfg = config.train
+    last = step == train_cfg.steps
+    return (step <= config.critic.warmup_steps, step % train_cfg.eval_every == 0 or last,
+            step % train_cfg.checkpoint_every == 0 or last)  # fmt: skip
 
 
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int,
             host: dict[str, Any]):  # fmt: skip
     config = run.config
-    cfg = config.train
+    train_cfg = config.train
     base_key = jax.random.key(config.seed)
     last_eval = None
     weights = policy_weights(state, graphs)
-    source = (StreamingBatches(run, rollout_loop, weights, start_step, host) if cfg.mode == "async"
+    source = (StreamingBatches(run, rollout_loop, weights, start_step, host) if train_cfg.mode == "async"
               else LockstepBatches(run, rollout_loop))  # fmt: skip
     reads_reference = ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
     schedule = run.env_kwargs.get("schedule")  # style_shift's target-style schedule, moved per step
@@ -656,7 +657,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
         return run.tokenizer.encode(run.demonstration(prompt)[-1])
 
     try:
-        bar = tqdm(range(start_step + 1, cfg.steps + 1), desc="rl", initial=start_step, total=cfg.steps)
+        bar = tqdm(range(start_step + 1, train_cfg.steps + 1), desc="rl", initial=start_step, total=train_cfg.steps)
         for step in bar:
             started = time.perf_counter()
             if schedule is not None:
@@ -665,7 +666,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             if not kept:
                 writer.write(step, {**source_metrics, "train/skipped_no_data": 1})
                 continue
-            batch = collate(kept, batch_size=cfg.batch_size, buckets=run.buckets)
+            batch = collate(kept, batch_size=train_cfg.batch_size, buckets=run.buckets)
             steps_lib.check_whole_groups(batch.prompt_id, config.advantage.group_size)
             if reads_reference:
                 batch = steps_lib.trace_batch(batch, [gold_tokens(t) for t in kept])
@@ -691,7 +692,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
     finally:
         source.close()
     checkpointer.wait()
-    return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts), steps=cfg.steps)
+    return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts), steps=train_cfg.steps)
 
 
 def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: int) -> dict[str, Any]:

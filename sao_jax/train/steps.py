@@ -1,4 +1,4 @@
-"""Pure training steps over one `TrainState` pytree (ALGORITHMS.md §6).
+"""Pure training steps over one `TrainState` pytree (docs/algorithms.md §6).
 
     ttur_step = sequence(repeat(value_update, K), policy_update)
 
@@ -198,7 +198,7 @@ def policy_lambda(batch: TrajectoryBatch, config: Config) -> jax.Array:
 
 @struct.dataclass
 class TraceBatch(TrajectoryBatch):
-    """A `TrajectoryBatch` plus what TRACE's reference scoring reads (ALGORITHMS.md §10).
+    """A `TrajectoryBatch` plus what TRACE's reference scoring reads (docs/algorithms.md §10).
 
     gold_tokens  int32 `[batch, gold_time]`: the gold answer's ids, left-aligned, 0 past gold_length
     gold_length  int32 `[batch]`: 0 for padding rows
@@ -271,7 +271,7 @@ def reference_gold_logprob_mean(graphdef, params, buffers, batch: TraceBatch, *,
 
 
 def _trace_advantages(state: TrainState, batch: TraceBatch, graphs: Graphs, config: Config):
-    """TRACE token advantages `α_out·A_out + α_turn·r_k` (ALGORITHMS.md §10), A_out from GRPO."""
+    """TRACE token advantages `α_out·A_out + α_turn·r_k` (docs/algorithms.md §10), A_out from GRPO."""
     if not isinstance(batch, TraceBatch):
         raise TypeError("advantage.estimator=trace reads a TraceBatch (steps.trace_batch), got "
                         f"{type(batch).__name__}")

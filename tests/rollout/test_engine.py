@@ -1,4 +1,4 @@
-"""The rollout engine: weight store, streaming engine, group mode, deterministic mode, shutdown.
+"""The rollout engine: weight store, streaming engine, group mode, shutdown.
 
 The rollout function is a fake that reads the weight store before each "decode chunk", stamps the
 version it read on that chunk's action tokens and draws its tokens from the key it is given. Waits
@@ -17,7 +17,6 @@ import pytest
 
 from sao_jax.rollout.engine import (
     RolloutEngine,
-    SyncRolloutEngine,
     WeightStore,
     rollout_key,
 )
@@ -317,16 +316,13 @@ def test_every_prompt_is_accounted_for_when_the_trainer_publishes_between_batche
     assert len(failed) == state.prompts_failed == engine.metrics()["trajectories_failed"]
 
 
-def make_engine(kind, rollout, prompts, store, key, **kwargs):
-    if kind == "threaded":
-        return RolloutEngine(rollout, prompts, store, key, num_workers=2, queue_capacity=6, **kwargs)
-    return SyncRolloutEngine(rollout, prompts, store, key, **kwargs)
+def make_engine(rollout, prompts, store, key, **kwargs):
+    return RolloutEngine(rollout, prompts, store, key, num_workers=2, queue_capacity=6, **kwargs)
 
 
-@pytest.mark.parametrize("kind", ["threaded", "sync"])
-def test_a_raising_or_misbehaving_rollout_costs_only_its_own_trajectory(kind):
+def test_a_raising_or_misbehaving_rollout_costs_only_its_own_trajectory():
     rollout = FakeRollout(num_chunks=1, fail=lambda prompt, key: prompt == 2, bad=lambda prompt: prompt == 4)
-    with make_engine(kind, rollout, range(6), WeightStore({}, 0), jax.random.key(0)) as engine:
+    with make_engine(rollout, range(6), WeightStore({}, 0), jax.random.key(0)) as engine:
         batch = engine.get_batch(6)
         assert sorted(t.prompt_id for t in batch) == [0, 1, 3, 5]
         assert engine.get_batch(1) == []  # source exhausted, nothing in flight: the end
@@ -341,11 +337,10 @@ def test_a_raising_or_misbehaving_rollout_costs_only_its_own_trajectory(kind):
     check_accounting(state)
 
 
-@pytest.mark.parametrize("kind", ["threaded", "sync"])
-def test_group_mode_releases_whole_groups_with_one_prompt_id_and_member_keys(kind):
+def test_group_mode_releases_whole_groups_with_one_prompt_id_and_member_keys():
     group_size, base = 3, jax.random.key(4)
     rollout = FakeRollout(num_chunks=2)
-    with make_engine(kind, rollout, range(4), WeightStore({}, 0), base, group_size=group_size) as engine:
+    with make_engine(rollout, range(4), WeightStore({}, 0), base, group_size=group_size) as engine:
         with pytest.raises(ValueError, match="multiple of group_size=3"):
             engine.get_batch(4)
         batch = engine.get_batch(6) + engine.get_batch(6)
@@ -362,12 +357,11 @@ def test_group_mode_releases_whole_groups_with_one_prompt_id_and_member_keys(kin
             assert np.array_equal(trajectory.tokens, tokens)
 
 
-@pytest.mark.parametrize("kind", ["threaded", "sync"])
-def test_a_group_with_a_failed_member_is_discarded_whole(kind):
+def test_a_group_with_a_failed_member_is_discarded_whole():
     base = jax.random.key(5)
     bad_key = jax.random.key_data(rollout_key(base, 1, 1))
     rollout = FakeRollout(num_chunks=1, fail=lambda prompt, key: np.array_equal(jax.random.key_data(key), bad_key))
-    with make_engine(kind, rollout, range(3), WeightStore({}, 0), base, group_size=2) as engine:
+    with make_engine(rollout, range(3), WeightStore({}, 0), base, group_size=2) as engine:
         batch = engine.get_batch(6)
         metrics, state = engine.metrics(), engine.state()
     assert [t.prompt_id for t in batch] in ([0, 0, 2, 2], [2, 2, 0, 0])
@@ -390,8 +384,8 @@ def test_a_group_with_one_member_too_stale_is_dropped_whole_and_every_member_cou
 
     store = WeightStore({}, 0)
     store.publish({}, 2)
-    with SyncRolloutEngine(stamp_member_one_two_versions_back, range(1), store, base, group_size=2,
-                           max_staleness=1) as engine:  # fmt: skip
+    with make_engine(stamp_member_one_two_versions_back, range(1), store, base, group_size=2,
+                     max_staleness=1) as engine:
         assert engine.get_batch(2) == []
         metrics, state = engine.metrics(), engine.state()
     assert rollout.completed == 2  # both members ran, member 1 on version 0
@@ -399,55 +393,6 @@ def test_a_group_with_one_member_too_stale_is_dropped_whole_and_every_member_cou
     assert metrics["trajectories_dropped_stale"] == 2 and metrics["trajectories_consumed"] == 0
     assert state.prompts_dropped == 1 and state.prompts_consumed == 0
     check_accounting(state)
-
-
-def test_sync_mode_measures_staleness_against_the_current_version():
-    """Lockstep: every trajectory is sampled by the version it is consumed at, so staleness 0 passes
-    max_staleness=0."""
-    store = WeightStore({}, 0)
-    store.publish({}, 3)
-    with SyncRolloutEngine(FakeRollout(num_chunks=2), range(4), store, jax.random.key(0), max_staleness=0) as engine:
-        batch = engine.get_batch(4)
-        metrics, state = engine.metrics(), engine.state()
-    assert [t.prompt_id for t in batch] == [0, 1, 2, 3]
-    assert all(int(t.oldest_version) == 3 for t in batch)
-    assert metrics["staleness_histogram"] == {0: 4} and metrics["trajectories_dropped_stale"] == 0
-    assert state.prompts_dropped == 0 and state.prompts_consumed == 4
-
-
-def run_sync(key, num_steps=4, batch_size=3):
-    """A lockstep trainer: take a batch, publish version + 1."""
-    store = WeightStore({"w": 0}, version=0)
-    engine = SyncRolloutEngine(FakeRollout(num_chunks=2), range(100, 200), store, key, start_index=100)
-    out = []
-    for step in range(1, num_steps + 1):
-        out += engine.get_batch(batch_size)
-        store.publish({"w": step}, step)
-    return out, engine.close()
-
-
-def test_sync_mode_is_bit_reproducible_and_resumable_from_its_state():
-    first, state = run_sync(jax.random.key(11))
-    second, _ = run_sync(jax.random.key(11))
-    other, _ = run_sync(jax.random.key(12))
-    assert [t.prompt_id for t in first] == list(range(100, 112))  # prompt order; ids = source position
-    for a, b in zip(first, second, strict=True):
-        for field in ("tokens", "action_mask", "rollout_logprobs", "rollout_entropy", "policy_version", "rewards"):
-            assert np.array_equal(getattr(a, field), getattr(b, field))
-    assert not all(np.array_equal(a.tokens, c.tokens) for a, c in zip(first, other))
-    # versions advance with the lockstep trainer: batch k was sampled by version k
-    assert [int(t.oldest_version) for t in first] == [k for k in range(4) for _ in range(3)]
-    assert state.next_prompt_index == 112 and state.unconsumed_indices == () == state.in_flight_indices
-
-
-def test_a_prompt_index_gets_the_same_rollout_in_threaded_and_sync_modes():
-    base = jax.random.key(3)
-    with RolloutEngine(FakeRollout(num_chunks=2), range(8), WeightStore({}, 0), base, num_workers=3) as engine:
-        threaded = {t.prompt_id: t.tokens for t in engine.get_batch(8)}
-    with SyncRolloutEngine(FakeRollout(num_chunks=2), range(8), WeightStore({}, 0), base) as engine:
-        sync = {t.prompt_id: t.tokens for t in engine.get_batch(8)}
-    assert threaded.keys() == sync.keys() == set(range(8))
-    assert all(np.array_equal(threaded[p], sync[p]) for p in range(8))
 
 
 def test_get_batch_returns_what_it_has_when_the_timeout_passes():

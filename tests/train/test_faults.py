@@ -205,8 +205,8 @@ def test_sao_eval_without_a_readable_checkpoint_is_one_line(finished, tmp_path):
 RECORDING_TRAINER = """
 import json, logging, sys
 import sao_jax.rollout.engine as engine_lib
+import sao_jax.train.loop as loop_lib
 from sao_jax.config import load_config
-from sao_jax.train.loop import train
 
 logging.basicConfig(level=logging.WARNING)
 logging.getLogger("sao_jax").setLevel(logging.INFO)
@@ -222,8 +222,8 @@ class Recorded(engine_lib.RolloutEngine):
         record.write(json.dumps({"batch": [t.prompt_id for t in batch]}) + "\\n"); record.flush()
         return batch
 
-engine_lib.RolloutEngine = Recorded
-train(load_config(None, sys.argv[2:]), resume=True)
+loop_lib.RolloutEngine = Recorded  # the name StreamingBatches looks up
+loop_lib.train(load_config(None, sys.argv[2:]), resume=True)
 """
 
 

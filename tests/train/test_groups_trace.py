@@ -170,12 +170,9 @@ def test_lockstep_batches_with_groups_of_one_draw_the_same_prompts_as_before():
 
 
 def test_streaming_batches_ask_the_engine_for_whole_groups(monkeypatch):
-    import sao_jax.rollout.agent_loop as agent_loop
-    import sao_jax.rollout.engine as engine
-
     made = {}
-    monkeypatch.setattr(agent_loop, "RolloutService", lambda rollout_loop: None)
-    monkeypatch.setattr(engine, "RolloutEngine", lambda *args, **kwargs: made.update(kwargs))
+    monkeypatch.setattr(loop, "RolloutService", lambda rollout_loop: None)
+    monkeypatch.setattr(loop, "RolloutEngine", lambda *args, **kwargs: made.update(kwargs))
     loop.StreamingBatches(fake_run(group_size=4, batch_size=8), None, {"w": jnp.zeros(2)}, start_step=0, host={})
     assert made["group_size"] == 4
 

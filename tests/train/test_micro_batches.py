@@ -1,7 +1,7 @@
 """The train step's memory knobs: logits made in chunks and micro-batches with summed gradients.
 
 Neither may change a number: chunked log-probs are checked against a numpy log-softmax of the whole
-logits, and a micro-batched, chunked TTUR step against ALGORITHMS.md §6 written out by hand.
+logits, and a micro-batched, chunked TTUR step against docs/algorithms.md §6 written out by hand.
 """
 
 import dataclasses

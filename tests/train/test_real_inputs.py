@@ -98,6 +98,12 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_an_error(tmp_path):
         build_run(load_config(TINY_TIR, [f"model.pretrained={folder}", f"output_dir={tmp_path}"]))
 
 
+@pytest.mark.skipif(jax.default_backend() == "tpu", reason="the kernel compiles on a TPU")
+def test_the_gmm_dispatch_off_a_tpu_is_an_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError, match="model.moe_dispatch=gmm .* only on a TPU .*backend is"):
+        build_run(load_config(TINY_TIR, ["model.moe_dispatch=gmm", f"output_dir={tmp_path}"]))
+
+
 def test_model_dtype_must_be_a_known_dtype():
     with pytest.raises(ConfigError, match="model.dtype must be one of float32, bfloat16, float16"):
         load_config(TINY_TIR, ["model.dtype=bf16"])

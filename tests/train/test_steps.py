@@ -71,7 +71,7 @@ def copy_state(state):
 
 
 def hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, **settings):
-    """ALGORITHMS.md §6 spelled out: K critic steps on λ_critic targets, then values from the updated
+    """docs/algorithms.md §6 spelled out: K critic steps on λ_critic targets, then values from the updated
     critic, λ_policy advantages and one DIS step — without the composition helpers. Jitted as a whole:
     one compile instead of dispatching every operation of three backward passes one by one.
     settings: `gamma`, `lam_critic`, `lam_policy` (None: length-adaptive with α = 1.5), `policy`
