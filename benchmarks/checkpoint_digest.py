@@ -33,7 +33,7 @@ from sao_jax.checkpoint import _verify_values  # noqa: E402
 from sao_jax.config import Config  # noqa: E402
 from sao_jax.models import Critic, Policy  # noqa: E402
 from sao_jax.train import steps as steps_lib  # noqa: E402
-from sao_jax.train.loop import make_optimizers  # noqa: E402
+from sao_jax.train.build import make_optimizers  # noqa: E402
 
 
 def abstract_moe_1b_state():

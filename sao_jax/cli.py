@@ -95,7 +95,8 @@ def _train(args: argparse.Namespace) -> int:
     if args.gae_demo:
         print(gae_demo(gamma=config.advantage.gamma, lam=config.advantage.lam_policy))
         return 0
-    from sao_jax.train.loop import summary_line, train
+    from sao_jax.train.evaluation import summary_line
+    from sao_jax.train.loop import train
 
     summary = train(config, resume=args.resume, allow_config_change=args.allow_config_change)
     print(json.dumps(summary, indent=2))
@@ -113,7 +114,7 @@ def evaluate_main(argv: list[str] | None = None) -> int:
 
 def _evaluate(args: argparse.Namespace) -> int:
     config = _load(args)
-    from sao_jax.train.loop import evaluate_checkpoint
+    from sao_jax.train.evaluation import evaluate_checkpoint
 
     result = evaluate_checkpoint(config)
     print(json.dumps(result, indent=2))

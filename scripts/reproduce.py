@@ -183,15 +183,15 @@ def calibrate_estr_at_start(config: Any) -> dict[str, float]:
     from sao_jax import losses
     from sao_jax.metrics import MetricsWriter
     from sao_jax.rollout.trajectory import collate
-    from sao_jax.train import loop
+    from sao_jax.train import batches, build, warm_start
     from sao_jax.train import steps as steps_lib
 
-    run = loop.build_run(config)
+    run = build.build_run(config)
     graph, _, buffers = steps_lib.split_model(run.policy)
     with tempfile.TemporaryDirectory() as scratch, MetricsWriter(scratch, tensorboard=False) as writer:
-        params = loop.run_sft(run, writer)
+        params = warm_start.run_sft(run, writer)
     weights = nnx.state(nnx.merge(graph, params, buffers))
-    trajectories, _ = loop.LockstepBatches(run, run.agent_loop(greedy=False)).next(1, weights)
+    trajectories, _ = batches.LockstepBatches(run, run.agent_loop(greedy=False)).next(1, weights)
     batch = collate(trajectories, batch_size=config.train.batch_size, buckets=run.buckets)
     logits, _ = jax.jit(steps_lib.policy_logits, static_argnums=0)(graph, params, buffers, batch)
     logp = losses.token_logprobs(logits, batch.tokens)

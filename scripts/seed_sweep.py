@@ -34,19 +34,22 @@ def parse_seeds(text: str) -> list[int]:
 
 def warm_start_only(config) -> dict:
     """SFT, then the held-out evaluation of the warm-started policy (no value pretraining, no RL)."""
+    from flax import nnx
+
     from sao_jax.metrics import MetricsWriter, read_metrics
-    from sao_jax.train import loop
+    from sao_jax.train import build, evaluation, warm_start
+    from sao_jax.train import steps as steps_lib
 
     out = Path(config.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "metrics.jsonl").unlink(missing_ok=True)
-    run = loop.build_run(config)
+    run = build.build_run(config)
     with MetricsWriter(out, tensorboard=False) as writer:
-        params = loop.run_sft(run, writer)
-        graph, _, buffers = loop.steps_lib.split_model(run.policy)
-        weights = loop.nnx.state(loop.nnx.merge(graph, params, buffers))
-        writer.write(0, loop.evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), weights))
-    return loop.run_summary(read_metrics(out / "metrics.jsonl"), num_eval_prompts=len(run.eval_prompts), steps=0)
+        params = warm_start.run_sft(run, writer)
+        graph, _, buffers = steps_lib.split_model(run.policy)
+        weights = nnx.state(nnx.merge(graph, params, buffers))
+        writer.write(0, evaluation.evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), weights))
+    return evaluation.run_summary(read_metrics(out / "metrics.jsonl"), num_eval_prompts=len(run.eval_prompts), steps=0)
 
 
 def run_seed(args, seed: int) -> dict:

@@ -12,7 +12,7 @@ import pytest
 
 from sao_jax.checkpoint import Checkpointer, ResumeError, _checksum, checkpoint_path, config_changes
 from sao_jax.config import load_config, to_dict
-from sao_jax.train.loop import checkpoint_dir
+from sao_jax.train.build import checkpoint_dir
 
 
 def make_state(seed):

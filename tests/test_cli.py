@@ -1,6 +1,5 @@
 """The command line: a user's mistake is one `error:` line and exit 2 before any work; the GAE demo."""
 
-import json
 import os
 import subprocess
 import sys

@@ -35,7 +35,9 @@ from sao_jax.config import Config, ConfigError, load_config
 from sao_jax.models import Critic, Policy, tiny_qwen3_moe
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster
-from sao_jax.train.loop import build_run, checkpoint_dir, make_optimizers, rl_schedule, value_pretraining_update
+from sao_jax.train.build import build_run, checkpoint_dir, make_optimizers
+from sao_jax.train.loop import rl_schedule
+from sao_jax.train.warm_start import value_pretraining_update
 from tests.train.test_steps import synthetic_batch
 
 
@@ -203,7 +205,7 @@ for _section in ("policy", "critic"):
 ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "model.pretrained": "a Hugging Face folder to load (build_run): tests/train/test_real_inputs.py",
     "model.ragged_dot_triton": "a JAX lowering flag the entry point sets (cli.jax_flags): tests/test_cli.py",
-    **{f"sft.{name}": "the SFT stage (train.loop.run_sft): tests/train/test_sft.py, tests/train/test_loop_metrics.py"
+    **{f"sft.{name}": "the SFT stage (train.warm_start.run_sft): tests/train/test_sft.py, tests/train/test_loop_metrics.py"
        for name in ("steps", "target_demonstration_probability", "check_every", "probe_prompts", "batch_size",
                     "weak_demonstration_fraction", "optimizer.lr", "optimizer.weight_decay", "optimizer.max_grad_norm",
                     "optimizer.warmup_steps", "cache_dir")},  # fmt: skip

@@ -14,7 +14,7 @@ Pieces
                      completion order.
 
 The trainer's async mode (`train.mode=async`) runs this engine; its sync mode rolls out in lockstep
-without it (`sao_jax/train/loop.py::LockstepBatches`).
+without it (`sao_jax/train/batches.py::LockstepBatches`).
 
 The rollout function (injected; the trainer wires the agent loop in)
 --------------------------------------------------------------------

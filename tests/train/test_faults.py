@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -205,6 +204,7 @@ def test_sao_eval_without_a_readable_checkpoint_is_one_line(finished, tmp_path):
 RECORDING_TRAINER = """
 import json, logging, sys
 import sao_jax.rollout.engine as engine_lib
+import sao_jax.train.batches as batches
 import sao_jax.train.loop as loop_lib
 from sao_jax.config import load_config
 
@@ -222,7 +222,7 @@ class Recorded(engine_lib.RolloutEngine):
         record.write(json.dumps({"batch": [t.prompt_id for t in batch]}) + "\\n"); record.flush()
         return batch
 
-loop_lib.RolloutEngine = Recorded  # the name StreamingBatches looks up
+batches.RolloutEngine = Recorded  # the name StreamingBatches looks up
 loop_lib.train(load_config(None, sys.argv[2:]), resume=True)
 """
 

@@ -21,7 +21,7 @@ from sao_jax.checkpoint import Checkpointer
 from sao_jax.config import ConfigError, load_config, to_dict
 from sao_jax.models import Critic, Policy, tiny_qwen3_moe
 from sao_jax.rollout.trajectory import Trajectory, collate
-from sao_jax.train import loop
+from sao_jax.train import batches, build
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster
 from tests.test_advantages import ref_trace_turn_rewards
@@ -153,9 +153,9 @@ def fake_run(group_size, batch_size, pool_size=10, **more):
 def test_lockstep_batches_roll_out_whole_groups_and_drop_a_group_with_a_failure():
     run = fake_run(group_size=3, batch_size=9)
     rollouts = FakeRolloutLoop(fail_at=4)  # member 1 of the second group
-    kept, metrics = loop.LockstepBatches(run, rollouts).next(step=5, weights=None)
+    kept, metrics = batches.LockstepBatches(run, rollouts).next(step=5, weights=None)
     prompts = [p.id for p in rollouts.calls[0]]
-    drawn = np.random.default_rng([run.config.seed, loop._RL, 5]).integers(0, 10, 3)
+    drawn = np.random.default_rng([run.config.seed, build.RL_STREAM, 5]).integers(0, 10, 3)
     assert prompts == [int(j) for j in drawn for _ in range(3)]
     assert [t.prompt_id for t in kept] == [prompts[i] for i in (0, 1, 2, 6, 7, 8)]
     assert metrics == {"train/env_failed": 1, "train/group_members_discarded": 2}
@@ -164,16 +164,16 @@ def test_lockstep_batches_roll_out_whole_groups_and_drop_a_group_with_a_failure(
 def test_lockstep_batches_with_groups_of_one_draw_the_same_prompts_as_before():
     run = fake_run(group_size=1, batch_size=4)
     rollouts = FakeRolloutLoop()
-    loop.LockstepBatches(run, rollouts).next(step=2, weights=None)
-    drawn = np.random.default_rng([run.config.seed, loop._RL, 2]).integers(0, 10, 4)
+    batches.LockstepBatches(run, rollouts).next(step=2, weights=None)
+    drawn = np.random.default_rng([run.config.seed, build.RL_STREAM, 2]).integers(0, 10, 4)
     assert [p.id for p in rollouts.calls[0]] == drawn.tolist()
 
 
 def test_streaming_batches_ask_the_engine_for_whole_groups(monkeypatch):
     made = {}
-    monkeypatch.setattr(loop, "RolloutService", lambda rollout_loop: None)
-    monkeypatch.setattr(loop, "RolloutEngine", lambda *args, **kwargs: made.update(kwargs))
-    loop.StreamingBatches(fake_run(group_size=4, batch_size=8), None, {"w": jnp.zeros(2)}, start_step=0, host={})
+    monkeypatch.setattr(batches, "RolloutService", lambda rollout_loop: None)
+    monkeypatch.setattr(batches, "RolloutEngine", lambda *args, **kwargs: made.update(kwargs))
+    batches.StreamingBatches(fake_run(group_size=4, batch_size=8), None, {"w": jnp.zeros(2)}, start_step=0, host={})
     assert made["group_size"] == 4
 
 

@@ -10,7 +10,7 @@ from sao_jax.config import load_config
 from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
 from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.metrics import MetricsWriter, read_metrics
-from sao_jax.train import loop
+from sao_jax.train import batches, build, evaluation, warm_start
 
 
 def _trajectory(env_info):
@@ -21,11 +21,11 @@ def test_tool_share_counts_answered_trajectories_that_called_each_tool():
     trajectories = [_trajectory({"tools": ("calc",)}), _trajectory({"tools": ("est",)}),
                     _trajectory({"tools": ("est", "calc")}), _trajectory({"tools": ()}),
                     _trajectory({"error": "format"})]  # fmt: skip  (the last never answered: not counted)
-    assert loop.tool_metrics(trajectories, "eval", CalculatorEnv) == {"eval/tool_share/calc": 0.5,
+    assert evaluation.tool_metrics(trajectories, "eval", CalculatorEnv) == {"eval/tool_share/calc": 0.5,
                                                                      "eval/tool_share/est": 0.5}  # fmt: skip
-    assert loop.tool_metrics([_trajectory({"tools": ("calc",)})], "train", PythonToolEnv) == {
+    assert evaluation.tool_metrics([_trajectory({"tools": ("calc",)})], "train", PythonToolEnv) == {
         "train/tool_share/py": 0.0, "train/tool_share/est": 0.0}  # every tool is reported, zeros too
-    assert loop.tool_metrics(trajectories, "train", GuessingEnv) == {}  # an environment without tools
+    assert evaluation.tool_metrics(trajectories, "train", GuessingEnv) == {}  # an environment without tools
 
 
 def test_calculator_episodes_report_the_tools_they_called():
@@ -45,7 +45,7 @@ def test_async_metrics_sum_over_processes_and_average_staleness_over_trajectorie
                 "action_tokens_per_s": 80.0, "staleness_histogram": histogram, "trajectories_dropped_stale": stale,
                 "trajectories_discarded": discarded, "trajectories_failed": 1}  # fmt: skip
 
-    metrics = loop.async_metrics([engine(0.25, {0: 3, 2: 1}, 4, 1), engine(0.75, {1: 2, 2: 1}, 0, 2)])
+    metrics = batches.async_metrics([engine(0.25, {0: 3, 2: 1}, 4, 1), engine(0.75, {1: 2, 2: 1}, 0, 2)])
     assert metrics == {
         "async/queue_depth": 4, "async/trainer_idle_fraction": 0.5, "async/trajectories_per_s": 16.0,
         "async/action_tokens_per_s": 160.0, "async/dropped_stale": 4,
@@ -57,9 +57,9 @@ def test_async_metrics_sum_over_processes_and_average_staleness_over_trajectorie
 def test_weak_demonstrations_need_an_environment_that_has_them(tmp_path):
     config = load_config(overrides=["env.name=guessing", "sft.weak_demonstration_fraction=0.5", "sft.steps=1",
                                     f"output_dir={tmp_path}"])  # fmt: skip
-    run = loop.build_run(config)
+    run = build.build_run(config)
     with pytest.raises(ValueError, match="sft.weak_demonstration_fraction: environment 'guessing' has no weak"):
-        loop.run_sft(run, writer=None)
+        warm_start.run_sft(run, writer=None)
 
 
 def _sft_lines(path):
@@ -67,26 +67,26 @@ def _sft_lines(path):
 
 
 def test_sft_cache_returns_the_same_warm_start_and_metric_lines(tmp_path):
-    def warm_start(name, *extra):
+    def sft(name, *extra):
         config = load_config(overrides=["sft.steps=3", "sft.batch_size=4", "env.train_prompts=16",
                                         f"output_dir={tmp_path / name}", *extra])  # fmt: skip
         with MetricsWriter(tmp_path / name, tensorboard=False) as writer:
-            params = loop.run_sft(loop.build_run(config), writer)
+            params = warm_start.run_sft(build.build_run(config), writer)
         return jax.tree.map(np.asarray, params), config
 
-    plain, _ = warm_start("plain")
-    stored, config = warm_start("stored", f"sft.cache_dir={tmp_path / 'cache'}")
+    plain, _ = sft("plain")
+    stored, config = sft("stored", f"sft.cache_dir={tmp_path / 'cache'}")
     (entry,) = (tmp_path / "cache").iterdir()
-    assert entry.name == f"sft_{loop.sft_cache_key(config)}.npz"
-    loaded, _ = warm_start("loaded", f"sft.cache_dir={tmp_path / 'cache'}")
+    assert entry.name == f"sft_{warm_start.sft_cache_key(config)}.npz"
+    loaded, _ = sft("loaded", f"sft.cache_dir={tmp_path / 'cache'}")
     for a, b, c in zip(jax.tree.leaves(plain), jax.tree.leaves(stored), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
     assert _sft_lines(tmp_path / "loaded") == _sft_lines(tmp_path / "plain") != []
     # Another seed or other SFT settings are other warm starts; where the cache lives is not a setting.
     other = load_config(overrides=["seed=1", f"sft.cache_dir={tmp_path}"])
-    assert loop.sft_cache_key(other) != loop.sft_cache_key(load_config(overrides=[f"sft.cache_dir={tmp_path}"]))
-    assert loop.sft_cache_key(load_config(overrides=["sft.cache_dir=/a"])) == loop.sft_cache_key(load_config())
+    assert warm_start.sft_cache_key(other) != warm_start.sft_cache_key(load_config(overrides=[f"sft.cache_dir={tmp_path}"]))
+    assert warm_start.sft_cache_key(load_config(overrides=["sft.cache_dir=/a"])) == warm_start.sft_cache_key(load_config())
 
 
 def test_run_summary_reports_the_warm_start_and_whether_the_gain_beats_its_noise():
@@ -94,14 +94,14 @@ def test_run_summary_reports_the_warm_start_and_whether_the_gain_beats_its_noise
              {"stage": "sft", "sft/step": 49, "sft/demonstration_probability": 0.83, "sft/stopped_at_target": 1},
              {"step": 0, "eval/success_rate": 0.25}, {"step": 5, "train/reward_mean": 0.5},
              {"step": 10, "eval/success_rate": 0.5}]  # fmt: skip
-    summary = loop.run_summary(lines, num_eval_prompts=64, steps=10)
+    summary = evaluation.run_summary(lines, num_eval_prompts=64, steps=10)
     assert summary["warm_start"] == {"sft_steps": 50, "demonstration_probability": 0.83, "reached_target": True}
     assert (summary["eval_success_start"], summary["eval_success_end"]) == (0.25, 0.5)
     # standard error of the gain: sqrt((0.25·0.75 + 0.5·0.5) / 64) = sqrt(0.4375 / 64) = 0.0826797
     assert summary["gain"] == 0.25 and summary["gain_standard_error"] == pytest.approx(0.0826797, abs=1e-6)
     assert summary["learned"] is True  # 0.25 > 2 · 0.0827
-    assert loop.summary_line(summary) == "held-out success 25.0% -> 50.0% (+25.0 points in 10 RL steps): learned"
-    small = loop.run_summary([*lines[:3], {"step": 10, "eval/success_rate": 0.375}], num_eval_prompts=64, steps=10)
+    assert evaluation.summary_line(summary) == "held-out success 25.0% -> 50.0% (+25.0 points in 10 RL steps): learned"
+    small = evaluation.run_summary([*lines[:3], {"step": 10, "eval/success_rate": 0.375}], num_eval_prompts=64, steps=10)
     assert small["learned"] is False  # 0.125 < 2 · sqrt((0.1875 + 0.234375) / 64) = 0.1624
-    assert "did not learn" in loop.summary_line(small)
-    assert loop.run_summary(lines[:3], num_eval_prompts=64, steps=0).get("learned") is None
+    assert "did not learn" in evaluation.summary_line(small)
+    assert evaluation.run_summary(lines[:3], num_eval_prompts=64, steps=0).get("learned") is None

@@ -18,7 +18,7 @@ from sao_jax.config import load_config
 from sao_jax.models import Policy, sharding, tiny_qwen3_moe
 from sao_jax.train import distributed
 from sao_jax.train.distributed import Cluster, process_block
-from sao_jax.train.loop import build_run
+from sao_jax.train.build import build_run
 from tests.xla_flags import xla_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,8 @@ from sao_jax import models
 from sao_jax.config import ConfigError, load_config
 from sao_jax.data.chat import ChatEnv, HFTokenizer
 from sao_jax.envs.tir import TIREnv
-from sao_jax.train.loop import build_run, train
+from sao_jax.train.build import build_run
+from sao_jax.train.loop import train
 from tests.data.test_chat import CHATML, FORMATS, write_folder
 
 ROOT = Path(__file__).resolve().parents[2]

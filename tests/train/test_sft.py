@@ -138,21 +138,21 @@ def test_sft_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypa
     the held-out gold demonstrations' (the tool's tag letter left out), recomputed with numpy."""
     from sao_jax.config import load_config
     from sao_jax.metrics import MetricsWriter, read_metrics
-    from sao_jax.train import loop
+    from sao_jax.train import build, warm_start
 
     def sft(name, target):
         config = load_config(overrides=["sft.steps=6", "sft.batch_size=4", "sft.check_every=2", "sft.probe_prompts=3",
                                         f"sft.target_demonstration_probability={target}", "env.train_prompts=16",
                                         f"output_dir={tmp_path / name}"])  # fmt: skip
-        run = loop.build_run(config)
+        run = build.build_run(config)
         with MetricsWriter(tmp_path / name, tensorboard=False) as writer:
-            params = loop.run_sft(run, writer)
+            params = warm_start.run_sft(run, writer)
         lines = [line for line in read_metrics(tmp_path / name / "metrics.jsonl") if line.get("stage") == "sft"]
         return run, config, params, lines
 
     with monkeypatch.context() as patch:
         probed = iter([0.3, 0.9])
-        patch.setattr(loop, "demonstration_probe", lambda *args: lambda params: next(probed))
+        patch.setattr(warm_start, "demonstration_probe", lambda *args: lambda params: next(probed))
         _, _, _, lines = sft("scripted", 0.8)
     assert [line.get("sft/demonstration_probability") for line in lines if line["sft/step"] in (1, 3)] == [0.3, 0.9]
     assert lines[-1]["sft/step"] == 3 and lines[-1]["sft/stopped_at_target"] == 1
@@ -161,7 +161,7 @@ def test_sft_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypa
     assert [line["sft/step"] for line in checks] == [1, 3, 5]
     assert lines[-1]["sft/step"] == 5 and lines[-1]["sft/stopped_at_target"] == 0
 
-    prompts = loop.prompt_pool(config, run.env_cls, None, 3, loop._SFT_PROBE, key="env.eval_file")
+    prompts = build.prompt_pool(config, run.env_cls, None, 3, build.SFT_PROBE_STREAM, key="env.eval_file")
     graph, _, buffers = split_model(run.policy)
     model = nnx.merge(graph, params, buffers)
     expected = []

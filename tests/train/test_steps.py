@@ -17,7 +17,8 @@ from sao_jax.models import Critic, Policy, tiny_qwen3_moe
 from sao_jax.optim import adamw, label_params, param_paths, train_only
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
-from sao_jax.train.loop import make_optimizers, value_pretraining_update
+from sao_jax.train.build import make_optimizers
+from sao_jax.train.warm_start import value_pretraining_update
 
 K = 2
 

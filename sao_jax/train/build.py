@@ -1,0 +1,171 @@
+"""The run's pieces, shared by every stage: the policy, tokenizer, environments and prompt pools
+(`build_run`), the RL optimizers, and where the checkpoints live.
+
+Randomness: each consumer draws from its own stream, a seed folded with one of the stream ids below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sao_jax import models
+from sao_jax.config import Config, ConfigError, OptimizerConfig
+from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
+from sao_jax.data.datasets import DatasetError, read_prompts
+from sao_jax.data.tokenizers import CharTokenizer
+from sao_jax.envs import Prompt, environment_class
+from sao_jax.envs.style_shift import StyleSchedule
+from sao_jax.models import sharding
+from sao_jax.optim import adamw, learning_rate_schedule, train_only
+from sao_jax.outputs import join
+from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from sao_jax.rollout.sampler import Sampler
+from sao_jax.rollout.trajectory import Trajectory
+from sao_jax.train import steps as steps_lib
+from sao_jax.train.distributed import Cluster, ProcessRollouts
+
+# Stream ids folded into the seed so each consumer of randomness has its own stream.
+SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM = range(6)
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything built once per run from the config."""
+
+    config: Config
+    tokenizer: CharTokenizer | HFTokenizer
+    env_cls: Any
+    env_kwargs: dict[str, Any]
+    train_prompts: list[Any]
+    eval_prompts: list[Any]
+    policy: models.Policy
+    buckets: tuple[int, ...]
+    cluster: Cluster = dataclasses.field(default_factory=Cluster)  # this process's part of the run
+    chat_format: ChatFormat | None = None  # a pretrained model's: every episode is spoken in it
+
+    def env_factory(self, prompt):
+        env = self.env_cls(**self.env_kwargs)
+        return env if self.chat_format is None else ChatEnv(env, self.chat_format)
+
+    def demonstration(self, prompt, *, weak: bool = False) -> list[str]:
+        """The gold actions for `prompt` (`weak`: the weaker demonstrator's), in the chat format."""
+        actions = (self.env_cls.weak_demonstration if weak else self.env_cls.demonstration)(prompt)
+        return actions if self.chat_format is None else self.env_factory(prompt).chat_actions(actions)
+
+    def agent_loop(self, *, greedy: bool) -> AgentLoop | ProcessRollouts:
+        r = self.config.rollout
+        sampler = Sampler(
+            self.policy,
+            temperature=r.temperature,
+            top_k=1 if greedy else r.top_k,
+            top_p=1.0 if greedy else r.top_p,
+            chunk_size=r.chunk_size,
+        )
+        loop_config = AgentLoopConfig(
+            num_slots=r.num_slots,
+            max_total_tokens=r.max_total_tokens,
+            max_action_tokens=r.max_action_tokens,
+            env_timeout_s=r.env_timeout_s,
+            add_bos=self.chat_format is None,  # chat templates write their own start tokens
+            lockstep=self.config.train.mode == "sync",
+        )
+        return self.cluster.rollouts(AgentLoop(sampler, self.tokenizer, self.env_factory, loop_config))
+
+
+def build_run(config: Config) -> Run:
+    """The run's pieces. A pretrained model (`model.pretrained`, a Hugging Face folder) brings its
+    tokenizer and chat template, and the environment is spoken in that template (`ChatEnv`); a preset
+    uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set."""
+    cluster = Cluster.for_config(config)
+    env_cls = environment_class(config.env.name)
+    env = config.env
+    train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, RL_STREAM, key="env.train_file")
+    eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, EVAL_STREAM, key="env.eval_file")
+    model = config.model
+    overrides = {name: value for name, value in
+                 (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype),
+                  ("attention", model.attention))
+                 if value is not None} | ({"remat": True} if model.remat else {})  # fmt: skip
+    if model.moe_dispatch == "gmm" and jax.default_backend() != "tpu":
+        raise ConfigError(f"model.moe_dispatch=gmm is the Pallas megablox kernel, which compiles only on a TPU "
+                          f"(this machine's backend is {jax.default_backend()}): choose sorted, capacity or dense")
+    if model.pretrained:
+        models.read_hf_config(model.pretrained)  # a missing folder or broken config.json: named before anything loads
+        tokenizer = HFTokenizer.from_folder(model.pretrained)
+        chat_format = ChatFormat.from_tokenizer(tokenizer)
+        policy = models.from_pretrained(model.pretrained, mesh=cluster.mesh, **overrides)
+        if tokenizer.vocab_size > policy.config.vocab_size:
+            raise ValueError(f"model.pretrained={model.pretrained}: the tokenizer has {tokenizer.vocab_size} tokens, "
+                             f"more than the model's vocab_size {policy.config.vocab_size}")
+    else:
+        tokenizer, chat_format = CharTokenizer(), None
+        preset = models.PRESETS[model.preset]
+
+        def make_policy():
+            return models.Policy(preset(vocab_size=tokenizer.vocab_size, **overrides), rngs=nnx.Rngs(config.seed))
+
+        # On a mesh each device draws only its own shards: no host ever holds the whole model.
+        policy = make_policy() if cluster.mesh is None else sharding.sharded_init(make_policy, cluster.mesh)
+    length = config.rollout.max_total_tokens
+    buckets = tuple(sorted({max(16, length // 2), length}))
+    return Run(config, tokenizer, env_cls, env_options(config), train_prompts, eval_prompts, policy, buckets, cluster,
+               chat_format)  # fmt: skip
+
+
+def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int, *, key: str) -> list[Prompt]:
+    """The prompts of `file` (`read_prompts`; its errors name the config `key`), or `size` that the
+    environment generates with the rng (seed, stream). Each prompt's id becomes its index in the pool:
+    per-prompt baselines key on it."""
+    if file is not None:
+        try:
+            prompts = read_prompts(file)
+        except DatasetError as e:
+            raise DatasetError(f"{e} ({key})") from None
+    else:
+        difficulty = list(config.env.difficulty) or None
+        prompts = env_cls.generate_prompts(np.random.default_rng([config.seed, stream]), size, difficulty)
+    return [dataclasses.replace(p, id=i) for i, p in enumerate(prompts)]
+
+
+def env_options(config: Config) -> dict[str, Any]:
+    """The environment constructor's keyword arguments from `env.options`. style_shift's `switches`
+    ([[step, style], ...]) become the one `StyleSchedule` every episode shares (the loop moves it)."""
+    options = dict(config.env.options)
+    if config.env.name == "style_shift" and "switches" in options:
+        options["schedule"] = StyleSchedule(tuple(map(tuple, options.pop("switches"))))
+    return options
+
+
+def policy_weights(state: steps_lib.TrainState, graphs: steps_lib.Graphs):
+    """The sampler's view of the policy: its full NNX state (params and buffers)."""
+    return nnx.state(nnx.merge(graphs.policy, state.policy_params, state.policy_buffers))
+
+
+def usable(trajectories: list[Trajectory]) -> tuple[list[Trajectory], int]:
+    """Trajectories whose reward is the task's verdict; env failures are dropped (and counted)."""
+    kept = [t for t in trajectories if t.info.get("error") is None]
+    return kept, len(trajectories) - len(kept)
+
+
+def optimizer(opt_cfg: OptimizerConfig):
+    """AdamW of an `optimizer` section: its learning rate warmed up linearly over `warmup_steps` updates."""
+    lr = learning_rate_schedule(opt_cfg.lr, warmup_steps=opt_cfg.warmup_steps)
+    return adamw(lr, max_grad_norm=opt_cfg.max_grad_norm, weight_decay=opt_cfg.weight_decay)
+
+
+def make_optimizers(config: Config):
+    """(policy, critic) optimizers of RL (`optimizer`; the critic makes K updates a step), the critic's
+    on `critic.trainable_patterns` only."""
+    policy_tx = steps_lib.guard_nonfinite(optimizer(config.policy.optimizer))
+    critic_tx = steps_lib.guard_nonfinite(train_only(optimizer(config.critic.optimizer), config.critic.trainable_patterns))
+    return policy_tx, critic_tx
+
+
+def checkpoint_dir(config: Config) -> str:
+    """`train.checkpoint_dir`, else OUTPUT_DIR/checkpoints."""
+    return config.train.checkpoint_dir or join(config.output_dir, "checkpoints")

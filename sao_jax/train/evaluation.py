@@ -1,0 +1,114 @@
+"""Held-out evaluation and the run's verdict: the metric lines of a set of trajectories, the held-out
+evaluation of a policy or of a run's newest checkpoint, and `summary.json`'s start, end and gain.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sao_jax import models
+from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state
+from sao_jax.config import Config, to_dict
+from sao_jax.envs.judges import STYLES
+from sao_jax.rollout.agent_loop import AgentLoop
+from sao_jax.rollout.trajectory import Trajectory
+from sao_jax.train import steps as steps_lib
+from sao_jax.train.build import INIT_STREAM, Run, build_run, checkpoint_dir, make_optimizers, policy_weights
+
+
+def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    rewards = np.array([t.outcome_reward for t in trajectories])
+    return {
+        f"{prefix}/trajectories": len(trajectories),
+        f"{prefix}/reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
+        f"{prefix}/success_rate": float((rewards >= 1.0).mean()) if len(rewards) else 0.0,
+        f"{prefix}/num_turns": float(np.mean([t.info.get("num_turns", 0) for t in trajectories])),
+        f"{prefix}/action_tokens": float(np.mean([t.action_mask.sum() for t in trajectories])),
+        f"{prefix}/env_errors": float(sum(t.info.get("error") is not None for t in trajectories)),
+        f"{prefix}/truncated": float(sum(t.info.get("truncated") is not None for t in trajectories)),
+    }
+
+
+def tool_metrics(trajectories: list[Trajectory], prefix: str, env_cls) -> dict[str, float]:
+    """Share of the answered trajectories that called each of the environment's tools (environments
+    with `tool_names`, whose answers report the `tools` called)."""
+    if not hasattr(env_cls, "tool_names"):
+        return {}
+    called = [t.info.get("env_info", {}).get("tools") for t in trajectories]
+    called = [tools for tools in called if tools is not None]
+    return {f"{prefix}/tool_share/{name}": sum(name in tools for tools in called) / max(len(called), 1)
+            for name in env_cls.tool_names()}  # fmt: skip
+
+
+def style_metrics(trajectories: list[Trajectory], schedule) -> dict[str, Any]:
+    """Online experiment (style_shift): the rewarded style and each style's share of the trajectories."""
+    if schedule is None:
+        return {}
+    styles = [t.info.get("env_info", {}).get("style") for t in trajectories]
+    shares = {f"train/style_share/{s}": styles.count(s) / max(len(styles), 1) for s in STYLES}
+    return {"train/target_style": schedule.current_style, **shares}
+
+
+def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
+    """Held-out success (outcome reward ≥ 1) with a fixed evaluation key: greedy decoding when
+    `env.eval_greedy`, else the rollout sampling settings (temperature 1 by default)."""
+    trajectories = eval_loop.rollout((weights, 0), run.eval_prompts, jax.random.key(0))
+    return rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval", run.env_cls)
+
+
+def evaluate_checkpoint(config: Config) -> dict[str, Any]:
+    """Held-out evaluation of the newest readable checkpoint under `config.output_dir`."""
+    run = build_run(config)
+    policy_tx, critic_tx = make_optimizers(config)
+    critic = models.Critic.from_policy(run.policy, rngs=nnx.Rngs(config.seed + INIT_STREAM))
+    state, graphs = steps_lib.make_train_state(
+        run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
+    )
+    with Checkpointer(checkpoint_dir(config), config=to_dict(config)) as checkpointer:
+        # Evaluation settings may differ from training's; a model that does not fit the arrays cannot.
+        restored = checkpointer.restore_latest(abstract_state(run.cluster.place(state)), allow_config_change=True)
+    if restored is None:
+        raise ResumeError(f"no checkpoint in {checkpointer.directory}")
+    weights = policy_weights(restored.state, graphs)
+    return {"step": restored.step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), weights)}
+
+
+def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: int) -> dict[str, Any]:
+    """summary.json from the run's metric lines: the warm start (SFT steps taken, the last probed
+    demonstration probability, whether it reached its target), held-out success at the first and last
+    evaluation, the gain, and whether the run learned: the gain exceeds twice its standard error,
+
+        learned ⇔ end − start > 2 · sqrt((p₀(1 − p₀) + p₁(1 − p₁)) / n),   n = held-out prompts,
+
+    so a gain that sampling noise of the evaluation alone could make does not count."""
+    sft = [line for line in lines if line.get("stage") == "sft"]
+    probes = [line["sft/demonstration_probability"] for line in sft if "sft/demonstration_probability" in line]
+    warm_start = {
+        "sft_steps": int(sft[-1]["sft/step"]) + 1 if sft else 0,
+        "demonstration_probability": probes[-1] if probes else None,
+        "reached_target": bool(sft[-1].get("sft/stopped_at_target", 0)) if sft else None,
+    }
+    evals = [line["eval/success_rate"] for line in lines if "eval/success_rate" in line]
+    summary: dict[str, Any] = {"warm_start": warm_start, "steps": steps,
+                               "eval_success_start": evals[0] if evals else None,
+                               "eval_success_end": evals[-1] if evals else None}  # fmt: skip
+    if len(evals) >= 2:
+        start, end = evals[0], evals[-1]
+        standard_error = float(np.sqrt((start * (1 - start) + end * (1 - end)) / num_eval_prompts))
+        summary |= {"gain": end - start, "gain_standard_error": standard_error,
+                    "learned": bool(end - start > 2 * standard_error)}  # fmt: skip
+    return summary
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """The run's outcome in one line, for the console."""
+    if summary.get("gain") is None:
+        return "held-out success: not evaluated twice (no verdict)"
+    start, end, gain = (100 * summary[k] for k in ("eval_success_start", "eval_success_end", "gain"))
+    verdict = ("learned" if summary["learned"] else
+               f"did not learn (the gain is within twice its standard error, {200 * summary['gain_standard_error']:.1f} points)")
+    return f"held-out success {start:.1f}% -> {end:.1f}% ({gain:+.1f} points in {summary['steps']} RL steps): {verdict}"

@@ -1,0 +1,186 @@
+"""The two warm-start stages before RL: SFT on demonstrations (until the held-out probe reaches its
+target, cached by settings in `sft.cache_dir`), then value pretraining of the critic on Monte-Carlo
+returns of the warm-started policy's rollouts (docs/algorithms.md §8).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from sao_jax.advantages import ADVANTAGE_ESTIMATORS
+from sao_jax.config import Config, to_dict
+from sao_jax.metrics import MetricsWriter
+from sao_jax.optim import adamw, train_only
+from sao_jax.rollout.agent_loop import AgentLoop
+from sao_jax.rollout.trajectory import collate
+from sao_jax.train import steps as steps_lib
+from sao_jax.train.build import (
+    SFT_PROBE_STREAM,
+    SFT_STREAM,
+    VALUE_PRETRAIN_STREAM,
+    Run,
+    optimizer,
+    policy_weights,
+    prompt_pool,
+    usable,
+)
+from sao_jax.train.sft import choice_mask, demonstration_trajectory, make_demonstration_probe, make_sft_update
+
+log = logging.getLogger(__name__)
+
+
+def sft_cache_key(config: Config) -> str:
+    """Hash of every setting the warm start depends on (not `sft.cache_dir` itself)."""
+    parts = {name: to_dict(getattr(config, name)) for name in ("model", "env", "sft", "rollout", "mesh")}
+    parts["sft"].pop("cache_dir")
+    parts["seed"] = config.seed
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def run_sft(run: Run, writer: MetricsWriter) -> Any:
+    """Fit the policy to demonstrations; returns the policy's trained params. With `sft.cache_dir`, a
+    warm start already trained under the same settings is loaded instead (its metric lines replayed),
+    and a new one is stored there."""
+    sft_cfg = run.config.sft
+    graph, params, buffers = steps_lib.split_model(run.policy)
+    if sft_cfg.steps == 0:
+        return params
+    cached = Path(sft_cfg.cache_dir) / f"sft_{sft_cache_key(run.config)}.npz" if sft_cfg.cache_dir else None
+    if cached is not None and cached.exists():
+        with np.load(cached, allow_pickle=False) as stored:
+            leaves, treedef = jax.tree.flatten(params)
+            params = jax.tree.unflatten(treedef, [jnp.asarray(stored[f"leaf_{i}"], leaf.dtype)
+                                                  for i, leaf in enumerate(leaves)])  # fmt: skip
+            for line in json.loads(str(stored["metrics"])):
+                writer.write(0, line)
+        log.info("warm start loaded from %s", cached)
+        return run.cluster.place(params)
+    lines: list[dict[str, Any]] = []
+    params = _train_sft(run, graph, params, buffers, writer, lines)
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        partial = cached.with_suffix(".partial.npz")  # a crash mid-write leaves no half-written cache entry
+        leaves = {f"leaf_{i}": np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(params))}
+        np.savez(partial, metrics=json.dumps(lines), **leaves)
+        os.replace(partial, cached)
+    return params
+
+
+def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list) -> Any:
+    """The SFT steps themselves, until the probe reaches its target or `sft.steps` (`SFTConfig`); each
+    metric line written is also appended to `lines`."""
+    sft_cfg = run.config.sft
+    if sft_cfg.weak_demonstration_fraction and not hasattr(run.env_cls, "weak_demonstration"):
+        raise ValueError(f"sft.weak_demonstration_fraction: environment {run.config.env.name!r} has no weak "
+                         "demonstrator (set it to 0)")
+    tx = optimizer(sft_cfg.optimizer)
+    update = run.cluster.step(make_sft_update(graph, buffers, tx))
+    params = run.cluster.place(params)
+    opt_state = run.cluster.place(tx.init(params))
+    rng = np.random.default_rng([run.config.seed, SFT_STREAM])
+    probe = None  # built at the first check: runs too short to reach one never pay for it
+
+    # Every batch holds the same number of weak demonstrations (at random rows): the tool choice the
+    # policy learns then does not drift with the batches' own mix, which a constant rate would follow.
+    num_weak = round(sft_cfg.weak_demonstration_fraction * sft_cfg.batch_size)
+
+    with tqdm(range(sft_cfg.steps), desc="sft", leave=False) as bar:
+        for i in bar:
+            prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), sft_cfg.batch_size)]
+            weak = np.isin(np.arange(sft_cfg.batch_size), rng.choice(sft_cfg.batch_size, num_weak, replace=False))
+            demos = [demonstration_trajectory(run.env_factory(p), p, run.demonstration(p, weak=bool(w)), run.tokenizer,
+                                              add_bos=run.chat_format is None) for p, w in zip(prompts, weak)]  # fmt: skip
+            batch = collate(demos, batch_size=sft_cfg.batch_size, buckets=run.buckets)
+            params, opt_state, metrics = update(params, opt_state, batch)
+            line = {"stage": "sft", "sft/step": i, **jax.tree.map(float, jax.device_get(metrics))}
+            checked = sft_cfg.target_demonstration_probability > 0 and (i + 1) % sft_cfg.check_every == 0
+            if checked:
+                probe = probe or demonstration_probe(run, graph, buffers)
+                line["sft/demonstration_probability"] = float(probe(params))
+            reached = checked and line["sft/demonstration_probability"] >= sft_cfg.target_demonstration_probability
+            last = i == sft_cfg.steps - 1
+            if i % 25 == 0 or checked or reached or last:
+                lines.append(line | ({"sft/stopped_at_target": int(reached)} if reached or last else {}))
+                writer.write(0, lines[-1])
+                bar.set_postfix(nll=f"{line['sft/nll']:.3f}", acc=f"{line['sft/token_accuracy']:.3f}",
+                                **({"p_demo": f"{line['sft/demonstration_probability']:.2f}"} if checked else {}))
+            if reached:
+                break
+    if not reached and sft_cfg.target_demonstration_probability > 0:
+        log.warning("sft: the warm start did not reach sft.target_demonstration_probability=%s within sft.steps=%d",
+                    sft_cfg.target_demonstration_probability, sft_cfg.steps)
+    return params
+
+
+def demonstration_probe(run: Run, graph, buffers):
+    """`params -> mean demonstration_probability` on `sft.probe_prompts` held-out gold demonstrations
+    (prompts of their own stream, or the first of `env.eval_file`); the token where the weaker
+    demonstrator would branch off is the free choice left out (`sft.choice_mask`)."""
+    config = run.config
+    prompts = prompt_pool(config, run.env_cls, config.env.eval_file, config.sft.probe_prompts, SFT_PROBE_STREAM,
+                         key="env.eval_file")
+    prompts = prompts[: config.sft.probe_prompts]
+    add_bos = run.chat_format is None
+    gold, free = [], []
+    for p in prompts:
+        demo = demonstration_trajectory(run.env_factory(p), p, run.demonstration(p), run.tokenizer, add_bos=add_bos)
+        weak = (demonstration_trajectory(run.env_factory(p), p, run.demonstration(p, weak=True), run.tokenizer,
+                                         add_bos=add_bos) if config.sft.weak_demonstration_fraction else None)  # fmt: skip
+        gold.append(demo)
+        free.append(choice_mask(demo, weak))
+    batch = collate(gold, buckets=run.buckets)
+    free_mask = np.zeros(batch.tokens.shape, bool)
+    for row, mask in enumerate(free):
+        free_mask[row, : len(mask)] = mask
+    return run.cluster.step(make_demonstration_probe(graph, buffers, batch, free_mask))
+
+
+def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, critic_tx, writer: MetricsWriter):
+    """Regress the critic on Monte-Carlo returns (λ = 1) of the initial policy's rollouts; returns the
+    state with the pretrained critic and a fresh RL critic optimizer state (`critic_tx`). `state` is
+    consumed (its buffers are donated)."""
+    config = run.config
+    critic_cfg = config.critic
+    critic_free = ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
+    if critic_cfg.pretrain_rollouts == 0 or critic_free:  # critic-free baselines never read the critic
+        return run.cluster.place(state.replace(critic_opt_state=critic_tx.init(state.critic_params)))
+    weights = policy_weights(state, graphs)
+    rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])
+    prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
+    corpus, failed = usable(rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1)))
+    tx, value_update = value_pretraining_update(graphs, config)
+    value_update = run.cluster.step(value_update)
+    pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
+    batch_size = config.train.batch_size
+    for epoch in tqdm(range(critic_cfg.pretrain_epochs), desc="value pretraining", leave=False):
+        order = rng.permutation(len(corpus))
+        epoch_metrics = []
+        for start in range(0, len(order) - batch_size + 1, batch_size):
+            batch = collate([corpus[i] for i in order[start:start + batch_size]], batch_size=batch_size, buckets=run.buckets)
+            pretrain_state, metrics = value_update(pretrain_state, batch, jax.random.key(epoch))
+            epoch_metrics.append(jax.device_get(metrics))
+        mean = {k: float(np.mean([m[k] for m in epoch_metrics])) for k in epoch_metrics[0]}
+        writer.write(0, {"stage": "value_pretrain", "value_pretrain/epoch": epoch, "value_pretrain/corpus": len(corpus),
+                         "value_pretrain/failed_rollouts": failed, **mean})  # fmt: skip
+    return run.cluster.place(pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params)))
+
+
+def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
+    """(optimizer, jitted value update) of value pretraining: `critic.pretrain_lr`, on the leaves of
+    `critic.pretrain_trainable_patterns` (None: `critic.trainable_patterns`, as in RL)."""
+    critic_cfg = config.critic
+    trainable = (critic_cfg.trainable_patterns if critic_cfg.pretrain_trainable_patterns is None
+                 else critic_cfg.pretrain_trainable_patterns)
+    tx = steps_lib.guard_nonfinite(train_only(adamw(critic_cfg.pretrain_lr), trainable))
+    update = steps_lib.make_value_update(graphs, tx, config, trainable)
+    return tx, jax.jit(steps_lib.sequence(update), donate_argnums=0)
