@@ -9,7 +9,6 @@ mesh axes. Parameters are created with `eager_sharding=False`, so building a mod
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Sequence
 
