@@ -144,9 +144,9 @@ class Policy(Decoder):
         """(logits float32 [batch, time, vocab], cache, aux_loss); see the module docstring. `kernels`
         gets the untied head only (the tied one is the embedding read transposed)."""
         hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache, kernels)
-        logits = None if self.config.tie_word_embeddings else kernels.einsums(
-            "btd,dv->btv", hidden, [self.lm_head.kernel[...].astype(hidden.dtype)])  # fmt: skip
-        return (_logits(hidden, self._head_kernel()) if logits is None else logits[0]), cache, aux_loss
+        kernel = self._head_kernel().astype(hidden.dtype)
+        logits = None if self.config.tie_word_embeddings else kernels.einsums("btd,dv->btv", hidden, [kernel])
+        return (_logits(hidden, kernel) if logits is None else logits[0]), cache, aux_loss
 
     def token_logprobs(self, input_ids, attention_mask=None, *, chunk: int = 0):
         """(log π(token_t | tokens_<t) float32 [batch, time], 0 at t = 0; aux loss): the numbers of

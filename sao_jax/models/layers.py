@@ -220,9 +220,10 @@ class DecodeKernels:
           x's trailing axes contracted with each kernel's leading ones: the projections
           (`Projection`; q, k and v in one call) and the untied LM head ("btd,dv->btv")
       swiglu(x, gate, up, down) -> (silu(x·G) ⊙ x·U)·D              x [batch, time, embed], a dense MLP
-      routed_experts(moe, x, expert_ids, weights) -> [batch, time, embed]
-          Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t), dropless, for the `moe.MoE` layer `moe`
-          (x [batch, time, embed]; expert_ids, weights [batch · time, k] from `moe.route`)
+      routed_experts(moe, x, token_mask, expert_ids, weights) -> [tokens, embed]
+          Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t), dropless, for the `moe.MoE` layer `moe`: x the
+          call's batch · time tokens [tokens, embed], token_mask [batch, time], expert_ids and
+          weights [tokens, k] from `moe.route`
     """
 
     def attention(self, q, k, v, cache_kv, layout: AttentionLayout):
@@ -234,7 +235,7 @@ class DecodeKernels:
     def swiglu(self, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array):
         return None
 
-    def routed_experts(self, moe, x: jax.Array, expert_ids: jax.Array, weights: jax.Array):
+    def routed_experts(self, moe, x: jax.Array, token_mask: jax.Array, expert_ids: jax.Array, weights: jax.Array):
         return None
 
 

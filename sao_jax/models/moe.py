@@ -506,11 +506,12 @@ class MoE(nnx.Module):
         flat = x.reshape(batch * time, d)
         bias = self.router.e_score_correction_bias
         expert_ids, weights, scores = route(self.router(flat), None if bias is None else bias[...], self.config)
-        out = kernels.routed_experts(self, x, expert_ids, weights)
+        out = kernels.routed_experts(self, flat, token_mask, expert_ids, weights)
         if out is None:
             gate, up, down = (w[...].astype(x.dtype) for w in (self.experts.gate_proj, self.experts.up_proj,
                                                                self.experts.down_proj))  # fmt: skip
-            out = self.dispatch(batch * time, token_mask)(flat, expert_ids, weights, gate, up, down).reshape(x.shape)
+            out = self.dispatch(batch * time, token_mask)(flat, expert_ids, weights, gate, up, down)
+        out = out.reshape(batch, time, d)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, kernels)
         aux = load_balancing_loss(scores, expert_ids, token_mask.reshape(-1), self.config.num_experts)

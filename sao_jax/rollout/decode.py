@@ -201,17 +201,17 @@ class NativeCpuKernels(DecodeKernels):
         x_gate, x_up = _matmuls(x, (gate, up))
         return _matmuls(jax.nn.silu(x_gate) * x_up, [down])[0]
 
-    def routed_experts(self, layer, x, expert_ids, weights):
+    def routed_experts(self, layer, x, token_mask, expert_ids, weights):
         """`native.decode.routed_swiglu_packed` on this layer's packed weights, at the calls where the
         "blocked" dispatch would take `moe.few_tokens_dispatch` and at every decode step (at any
         batch: the kernel reads each chosen expert once)."""
         packed = next((layout for experts, layout in self._packed if experts is layer.experts), None)
-        batch, time, embed = x.shape
-        few_tokens = batch * time <= moe.FEW_TOKENS_PER_EXPERT * layer.config.num_experts
+        tokens, time = x.shape[0], token_mask.shape[1]
+        few_tokens = tokens <= moe.FEW_TOKENS_PER_EXPERT * layer.config.num_experts
         if packed is None or not (few_tokens or time == 1) or not native_decode.routed_swiglu_takes(
-                x.dtype, embed, layer.config.moe_intermediate_size):  # fmt: skip
+                x.dtype, x.shape[1], layer.config.moe_intermediate_size):  # fmt: skip
             return None
-        return native_decode.routed_swiglu_packed(x.reshape(-1, embed), expert_ids, weights, packed).reshape(x.shape)
+        return native_decode.routed_swiglu_packed(x, expert_ids, weights, packed)
 
     @staticmethod
     def _few_rows(rows: int, depth: int, width: int, dtype) -> bool:
