@@ -55,6 +55,7 @@ import time
 import jax
 import numpy as np
 
+from sao_jax.cli import set_xla_flags
 from sao_jax.rollout.engine import RolloutEngine, WeightStore, rollout_key
 from sao_jax.rollout.trajectory import Trajectory
 
@@ -238,6 +239,7 @@ def format_row(row: dict) -> str:
 
 
 def main(argv=None) -> None:
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=32, help="engine worker threads (rollouts at once)")
     parser.add_argument("--batch-size", type=int, default=32, help="trajectories per train step")

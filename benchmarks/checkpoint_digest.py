@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import moe_1b  # noqa: E402
 
 from sao_jax.checkpoint import _verify_values  # noqa: E402
+from sao_jax.cli import set_xla_flags  # noqa: E402
 from sao_jax.config import Config  # noqa: E402
 from sao_jax.models import Critic, Policy  # noqa: E402
 from sao_jax.train import steps as steps_lib  # noqa: E402
@@ -49,6 +50,7 @@ def abstract_moe_1b_state():
 
 
 def main() -> None:
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--full", action="store_true")

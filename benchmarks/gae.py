@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from sao_jax.advantages import _resolve_method, masked_whiten, skip_observation_gae
+from sao_jax.cli import set_xla_flags
 
 try:
     from tunix.rl.ppo import ppo_helpers as tunix_ppo
@@ -171,6 +172,7 @@ def load_average() -> str:
 
 
 def main():
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes, 3 repeats")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per cell (≥ 7)")

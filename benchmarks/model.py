@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sao_jax import optim
+from sao_jax.cli import set_xla_flags
 from sao_jax.models import Critic, ModelConfig, Policy, cpu_moe, glm45_air, param_count, qwen3_30b_a3b
 from sao_jax.models.moe import MoE, capacity_slots, expert_capacity, route
 
@@ -268,6 +269,7 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
 
 
 def main() -> None:
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke test")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per row (default 5; quick 2)")

@@ -38,6 +38,7 @@ import jax
 import numpy as np
 from flax import nnx
 
+from sao_jax.cli import set_xla_flags
 from sao_jax.models import ModelConfig, Policy, from_pretrained, param_count, save_pretrained
 from sao_jax.rollout.sampler import Sampler
 
@@ -194,6 +195,7 @@ def logit_gap(policy, hf_model, prompt) -> float:
 
 
 def main():
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and sequences: a smoke test")
     parser.add_argument("--models", nargs="*", help=f"subset of {sorted(MODELS)}")

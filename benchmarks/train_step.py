@@ -49,6 +49,7 @@ from flax import nnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model import active_matmul_params, bench_moe, interleaved_median_seconds, matmul_peak, moe_1b  # noqa: E402
 
+from sao_jax.cli import set_xla_flags  # noqa: E402
 from sao_jax.config import Config  # noqa: E402
 from sao_jax.models import Critic, ModelConfig, Policy, param_count  # noqa: E402
 from sao_jax.optim import ALL_TRAINABLE, adamw, train_only  # noqa: E402
@@ -152,6 +153,7 @@ def tunix_calls(tunix_ppo, config: ModelConfig, batch: int, seq: int, row_flops:
 
 
 def main(argv=None) -> None:
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="d512")
     parser.add_argument("--dispatch", choices=("blocked", "capacity", "sorted", "dense", "gmm"), default="blocked",

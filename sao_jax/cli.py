@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -46,6 +47,25 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     return args
 
 
+# XLA:CPU's default scheduler orders a program so that independent ops can run at once, and keeps
+# their buffers alive together. In a TTUR step (K critic updates, then a policy update) that keeps
+# every update's temporaries at the same time, and the one program runs slower than the same updates
+# called one by one; with the memory-ordered scheduler it is the faster (benchmarks/RESULTS.md). The
+# option is read from XLA_FLAGS when the first backend starts (`jax.jit(compiler_options=...)` does
+# not reach it), so the entry points set it before any JAX call: `sao-train` and `sao-eval` (`_load`),
+# tests/conftest.py, and the scripts and benchmarks that run the steps. Other backends ignore it.
+CPU_SCHEDULER_FLAG = "xla_cpu_enable_concurrency_optimized_scheduler"
+
+
+def set_xla_flags(environ=os.environ) -> None:
+    """Adds `--xla_cpu_enable_concurrency_optimized_scheduler=false` to `environ["XLA_FLAGS"]` (see
+    `CPU_SCHEDULER_FLAG`), unless XLA_FLAGS names the option already. For entry points, before the
+    first JAX backend starts; importing `sao_jax` sets nothing."""
+    flags = environ.get("XLA_FLAGS", "")
+    if CPU_SCHEDULER_FLAG not in flags:
+        environ["XLA_FLAGS"] = f"{flags} --{CPU_SCHEDULER_FLAG}=false".strip()
+
+
 def jax_flags(config) -> dict[str, object]:
     """The JAX config flags a run's config sets: {flag: value}. Applied by the entry points (`_load`),
     never at import of the library, so importing `sao_jax` changes no JAX setting."""
@@ -53,9 +73,10 @@ def jax_flags(config) -> dict[str, object]:
 
 
 def _load(args: argparse.Namespace):
-    """The config of `args`; then joins a multi-process run when the flags ask for one (before any
-    other JAX call) and sets the config's JAX flags (`jax_flags`)."""
+    """The config of `args`; then sets XLA_FLAGS (`set_xla_flags`), joins a multi-process run when the
+    flags ask for one (before any other JAX call) and sets the config's JAX flags (`jax_flags`)."""
     config = load_config(args.config, args.overrides)
+    set_xla_flags()
     if args.distributed or args.coordinator is not None:
         from sao_jax.train.distributed import initialize
 

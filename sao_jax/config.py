@@ -244,6 +244,10 @@ class RolloutConfig:
     top_p: float = ranged(1.0, Range(0, 1, open_low=True))
     chunk_size: int = ranged(16, AT_LEAST_1)
     env_timeout_s: float = ranged(5.0, POSITIVE)
+    # What runs the sampler's decode (`sao_jax.rollout.decode`): "xla" (any platform), "native_cpu"
+    # (C++ kernels, XLA:CPU only; the same numbers, several times faster there) or "auto" (native_cpu
+    # where JAX's backend is the CPU, else xla). Checked against the machine when the run is built.
+    decode_backend: str = "auto"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -561,6 +561,9 @@ def write_report(suite_name: str, out: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from sao_jax.cli import set_xla_flags
+
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--suite", required=True, choices=[*SUITES, "all"])
     parser.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 per row (--quick: 1)")

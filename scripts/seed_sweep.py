@@ -103,6 +103,9 @@ def report(rows: list[dict], *, warm_start: bool, command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from sao_jax.cli import set_xla_flags
+
+    set_xla_flags()  # XLA:CPU's scheduler as `sao-train` sets it, before any JAX call (sao_jax/cli.py)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="10-29", help='e.g. "10-29" or "1,5,7"')
     parser.add_argument("--config", help="YAML config file (default: the embedded default)")

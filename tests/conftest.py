@@ -2,7 +2,8 @@
 
 Eight fake CPU devices are requested before JAX is imported anywhere, so mesh tests can build a
 (data=2, fsdp=2, expert=2) mesh; single-device code simply runs on device 0. XLA compiles without
-LLVM's optimisations (`tests/xla_flags.py`): the suite spends most of its time compiling.
+LLVM's optimisations (`tests/xla_flags.py`): the suite spends most of its time compiling. The entry
+points' XLA flag (`sao_jax.cli.set_xla_flags`) is set here too: importing the library sets none.
 """
 
 import os
@@ -11,6 +12,10 @@ from tests.xla_flags import xla_flags
 
 os.environ.setdefault("XLA_FLAGS", xla_flags(devices=8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from sao_jax.cli import set_xla_flags  # noqa: E402  (importing sao_jax imports JAX: after JAX_PLATFORMS)
+
+set_xla_flags()  # the TTUR steps' XLA:CPU scheduler, as `sao-train` runs them (sao_jax/cli.py, CPU_SCHEDULER_FLAG)
 
 # The longest files, longest first (seconds on the 2-core CI machine). `make test` runs the suite on
 # two pytest-xdist workers, one file at a time each (`--dist loadfile`, so a module's compiled

@@ -28,6 +28,8 @@ BAD_INPUTS = {
     "negative eps_low": ({}, ["loss.eps_low=-1"], ["loss.eps_low", "[0, 1]"]),
     "no eval prompts": ({}, ["env.eval_prompts=0"], ["env.eval_prompts", ">= 1"]),
     "zero temperature": ({}, ["rollout.temperature=0"], ["rollout.temperature", "> 0"]),
+    "unknown rollout.decode_backend": ({}, ["rollout.decode_backend=native"],
+                                       ["rollout.decode_backend must be one of auto, xla, native_cpu", "'native'"]),
     "pretrained folder missing": ({}, ["model.pretrained={tmp}/no_model"], ["no such folder", "no_model"]),
     "pretrained config.json not json": (
         {"model/config.json": "{not json", "model/tokenizer.json": "", "model/tokenizer_config.json": "{}"},
@@ -134,13 +136,35 @@ def test_the_entry_point_sets_the_ragged_dot_triton_flag_from_the_config(capsys)
     capsys.readouterr()
 
 
-def test_importing_the_library_changes_no_environment_variable_or_jax_flag():
+@pytest.mark.parametrize("xla_flags", [None, "--xla_backend_optimization_level=0"], ids=["unset", "set"])
+def test_importing_the_library_changes_no_environment_variable_or_jax_flag(xla_flags):
+    """Neither XLA_FLAGS (unset, or set without the entry points' scheduler option) nor any other
+    variable or JAX flag changes when the package and its modules are imported."""
     program = (
         "import os, jax; env, flags = dict(os.environ), dict(jax.config.values)\n"
-        "import sao_jax, sao_jax.models, sao_jax.models.moe, sao_jax.cli, sao_jax.train.loop\n"
+        "import sao_jax, sao_jax.models, sao_jax.models.moe, sao_jax.native.decode, sao_jax.rollout.sampler\n"
+        "import sao_jax.cli, sao_jax.train.loop\n"
         "changed = {k for k in set(flags) | set(jax.config.values) if flags.get(k) != jax.config.values.get(k)}\n"
         "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items())\n"
         "assert not changed, changed\n"
     )
-    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, check=False)
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"} | ({} if xla_flags is None else {"XLA_FLAGS": xla_flags})
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, check=False,
+                            env=env)  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+def test_the_entry_point_sets_the_cpu_scheduler_flag_unless_xla_flags_names_it(capsys, monkeypatch):
+    """`sao-train` (its `--gae-demo` path, which loads the config and stops) adds the XLA:CPU scheduler
+    option to XLA_FLAGS, keeping what was there; a value the user gave the option is left alone."""
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
+    assert main(["--gae-demo"]) == 0
+    assert os.environ["XLA_FLAGS"] == ("--xla_backend_optimization_level=0 "
+                                       "--xla_cpu_enable_concurrency_optimized_scheduler=false")  # fmt: skip
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=true")
+    assert main(["--gae-demo"]) == 0
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+    monkeypatch.delenv("XLA_FLAGS")
+    assert main(["--gae-demo"]) == 0
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+    capsys.readouterr()

@@ -157,6 +157,7 @@ EFFECTS: dict[str, tuple[typing.Any, list[str]]] = {
     "rollout.top_p": (0.9, []),
     "rollout.chunk_size": (4, []),
     "rollout.env_timeout_s": (1.0, []),
+    "rollout.decode_backend": ("xla", []),  # the tests run on the CPU, where "auto" is native_cpu
     "advantage.estimator": ("cross_observation_gae", []),
     "advantage.gamma": (0.9, []),
     "advantage.lam_critic": (0.9, []),
@@ -257,7 +258,8 @@ def run_pieces(config: Config):
     loops = []
     for greedy in (False, config.env.eval_greedy):
         loop = run.agent_loop(greedy=greedy)
-        loops.append((loop.sampler.log_probs.keywords, loop.sampler.chunk_size, loop.config))
+        loops.append((loop.sampler.log_probs.keywords, loop.sampler.chunk_size, loop.sampler.backend.name,
+                      loop.config))  # fmt: skip
     return (run.env_cls, run.env_kwargs, prompts, run.policy.config, run.buckets), loops
 
 

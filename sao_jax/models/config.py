@@ -67,8 +67,10 @@ class ModelConfig:
     residual stream per layer — for about one extra forward of compute. No effect on the numbers.
     `attention` of full-sequence forwards (training, prefill without a cache): "xla" (the einsum
     softmax, [time, time] scores in memory) or "splash" (the Pallas TPU flash kernel, which never
-    stores the scores; interpreted off TPU, for tests). Cached decoding ignores it
-    (`layers.cached_attention`: a native kernel at CPU decode steps, else the einsum).
+    stores the scores). Cached decoding ignores it (`layers.cached_attention`, or what the caller's
+    `layers.DecodeKernels` run instead).
+    `attention_kernel_interpret`: run the "splash" kernel in Pallas interpret mode (exact and slow:
+    for tests and CPU runs, where `sao-train` sets it; the kernel compiles only for TPU otherwise).
     """
 
     model_type: str  # "qwen3_moe" | "glm4_moe": which Hugging Face family this maps to
@@ -112,6 +114,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     remat: bool = False
     attention: str = "xla"
+    attention_kernel_interpret: bool = False  # "splash" in Pallas interpret mode (off TPU)
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))

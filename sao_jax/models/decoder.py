@@ -17,6 +17,8 @@ trainer scales it by `config.router_aux_loss_coef`) and `cache` a `KVCache` (Non
 the number of earlier real tokens of the sequence (+ the cache length), so left or right padding
 does not shift positions. For a KV-cache forward, see `KVCache`: prefill a padded chunk, decode
 [batch, 1] steps (mask 0 for finished sequences), prefill more tokens (an observation), resume.
+`Policy.forward(..., kernels=...)` runs some operations the caller's way (`layers.DecodeKernels`:
+the sampler's decode backend); the default is the model as written.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from flax import nnx
 
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.layers import (
-    Attention, AttentionLayout, KVCache, RMSNorm, few_rows_kernel_applies, few_rows_matmul, normal_param, param,
-    rope_angles,
+    NO_KERNELS, Attention, AttentionLayout, DecodeKernels, KVCache, RMSNorm, normal_param, param, rope_angles,
 )
 from sao_jax.models.moe import FeedForward, MoE
 from sao_jax.models.sharding import with_logical_constraint
@@ -55,25 +56,25 @@ class DecoderLayer(nnx.Module):
         self.post_attn_norm = RMSNorm(config.hidden_size, config)
         self.mlp = MoE(config, rngs=rngs) if self.is_moe else FeedForward(config, config.intermediate_size, rngs=rngs)
 
-    def __call__(self, x, rope, token_mask, layout, cache_kv):
+    def __call__(self, x, rope, token_mask, layout, cache_kv, kernels: DecodeKernels = NO_KERNELS):
         """rope: (cos, sin) from `rope_angles`. Returns (x [batch, time, embed], updated cache
         (keys, values) or None, aux loss or None)."""
-        attn_out, cache_kv = self.attn(self.input_norm(x), rope, layout, cache_kv)
+        attn_out, cache_kv = self.attn(self.input_norm(x), rope, layout, cache_kv, kernels)
         h = x + attn_out
         if self.is_moe:
-            mlp_out, aux = self.mlp(self.post_attn_norm(h), token_mask)
+            mlp_out, aux = self.mlp(self.post_attn_norm(h), token_mask, kernels)
         else:
-            mlp_out, aux = self.mlp(self.post_attn_norm(h)), None
+            mlp_out, aux = self.mlp(self.post_attn_norm(h), kernels), None
         return h + mlp_out, cache_kv, aux
 
 
-def _call_layer_remat(layer: DecoderLayer, x, rope, token_mask, layout, cache_kv):
+def _call_layer_remat(layer: DecoderLayer, x, rope, token_mask, layout, cache_kv, kernels):
     """`layer(...)` under `jax.checkpoint`: the backward pass recomputes the layer's intermediates.
     (The layer goes in as split state: a layer only reads its variables, so nothing is written back.)"""
     graph, state = nnx.split(layer)
 
     def apply(state, *inputs):
-        return nnx.merge(graph, state)(*inputs)
+        return nnx.merge(graph, state)(*inputs, kernels)
 
     return jax.checkpoint(apply)(state, x, rope, token_mask, layout, cache_kv)
 
@@ -87,7 +88,8 @@ class Decoder(nnx.Module):
         self.layers = nnx.List([DecoderLayer(config, i, rngs=rngs) for i in range(config.num_layers)])
         self.final_norm = RMSNorm(config.hidden_size, config)
 
-    def hidden_states(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
+    def hidden_states(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None,
+                      kernels: DecodeKernels = NO_KERNELS):
         """Final-normed hidden states [batch, time, embed] (compute dtype), updated cache, aux loss.
 
         The aux loss is the mean over MoE layers of each layer's `load_balancing_loss` (transformers
@@ -110,7 +112,7 @@ class Decoder(nnx.Module):
         call = _call_layer_remat if self.config.remat and cache is None else DecoderLayer.__call__
         for i, layer in enumerate(self.layers):
             cache_kv = None if cache is None else (cache.keys[i], cache.values[i])
-            x, cache_kv, aux = call(layer, x, rope, token_mask, layout, cache_kv)
+            x, cache_kv, aux = call(layer, x, rope, token_mask, layout, cache_kv, kernels)
             x = with_logical_constraint(x, ("batch", "length", "embed"))
             if cache_kv is not None:
                 new_keys.append(cache_kv[0])
@@ -137,15 +139,14 @@ class Policy(Decoder):
         if not config.tie_word_embeddings:
             self.lm_head = LMHead(config, rngs=rngs)
 
-    def forward(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
-        """(logits float32 [batch, time, vocab], cache, aux_loss); see the module docstring."""
-        hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache)
-        batch, time, d = hidden.shape
-        if time == 1 and not self.config.tie_word_embeddings and few_rows_kernel_applies(
-            batch, d, self.config.vocab_size, hidden.dtype
-        ):  # a decode step (float32, so the logits' dtype too)
-            return few_rows_matmul(hidden, self.lm_head.kernel[...].astype(hidden.dtype)), cache, aux_loss
-        return _logits(hidden, self._head_kernel()), cache, aux_loss
+    def forward(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None,
+                kernels: DecodeKernels = NO_KERNELS):
+        """(logits float32 [batch, time, vocab], cache, aux_loss); see the module docstring. `kernels`
+        gets the untied head only (the tied one is the embedding read transposed)."""
+        hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache, kernels)
+        kernel = self._head_kernel().astype(hidden.dtype)
+        logits = None if self.config.tie_word_embeddings else kernels.einsums("btd,dv->btv", hidden, [kernel])
+        return (_logits(hidden, kernel) if logits is None else logits[0]), cache, aux_loss
 
     def token_logprobs(self, input_ids, attention_mask=None, *, chunk: int = 0):
         """(log π(token_t | tokens_<t) float32 [batch, time], 0 at t = 0; aux loss): the numbers of

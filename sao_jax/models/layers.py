@@ -1,4 +1,5 @@
-"""Building blocks of the decoder: parameters with logical axes, RMSNorm, RoPE, GQA attention, KV cache.
+"""Building blocks of the decoder: parameters with logical axes, RMSNorm, RoPE, GQA attention, KV cache,
+and `DecodeKernels`, the hook through which a caller runs some of a forward's operations its own way.
 
 Every parameter carries its logical axis names as `out_sharding` metadata ("vocab", "embed", "heads",
 "kv_heads", "head_dim", "mlp", "expert", or None = replicated); `sao_jax.models.sharding` maps them to
@@ -8,7 +9,6 @@ mesh axes. Parameters are created with `eager_sharding=False`, so building a mod
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from collections.abc import Sequence
 
@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sao_jax import native
 from sao_jax.models.config import ModelConfig
 from sao_jax.models.sharding import active_mesh_and_rules, logical_to_spec
 
@@ -199,47 +198,51 @@ def causal_attention(q, k, v, allowed):
     return jnp.concatenate(blocks, axis=1)
 
 
-def decode_kernel_applies(num_heads: int, kv_heads: int, head_dim: int, cache_dtype) -> bool:
-    """Whether a decode step's `cached_attention` (one query per row) runs the native CPU kernel.
-    The kernel reads only the slots each row attends, so a caller need not cut the cache to a window
-    of slots first (`Sampler.decode_chunk`)."""
-    return (jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16) and num_heads // kv_heads <= 8
-            and head_dim % 8 == 0 and head_dim <= 256  # what the kernel takes
-            and jax.default_backend() == "cpu" and native.cached_attention_available())  # fmt: skip
-
-
 def cached_attention(q, k, v, cache_kv, layout: AttentionLayout):
     """The chunk's keys and values k, v [batch, time, kv_heads, head_dim] written into
     `cache_kv = (keys, values)` [batch, slots, kv_heads, head_dim] at `layout.write_slots`
-    (`write_cache`), then `dot_product_attention` of q over the cache. Returns (out, cache_kv).
-
-    A decode step (one query per row) on the CPU runs both in the native kernel
-    (`sao_jax/native/cached_attention_cpu.cc`), in place on the cache: it writes only the new slots
-    (XLA:CPU scatters into a bfloat16 cache by converting all of it to float32 and back) and reads
-    each slot a query attends once, in the cache's layout (the einsum makes XLA:CPU copy every
-    layer's whole K and V into the layouts of its batched dots). Same numbers up to float rounding,
-    except that a query attending no slot (a row never fed, whose output nothing reads) gets 0
-    instead of the einsum's average over all slots. Everything else — several queries per row,
-    other backends, a float16 cache, shapes the kernel does not take, no C++ compiler — runs the
-    scatter and the einsum.
-    """
+    (`write_cache`), then `dot_product_attention` of q over the cache. Returns (out, cache_kv)."""
     cache_k, cache_v = cache_kv
-    if not (q.shape[1] == 1 and decode_kernel_applies(q.shape[2], cache_k.shape[2], q.shape[3], cache_k.dtype)):
-        cache_k, cache_v = write_cache(cache_k, k, layout.write_slots), write_cache(cache_v, v, layout.write_slots)
-        out = dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), layout.allowed)
-        return out, (cache_k, cache_v)
-    results = (jax.ShapeDtypeStruct(q.shape, jnp.float32), jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
-               jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype))  # fmt: skip
-    call = jax.ffi.ffi_call(native.CACHED_ATTENTION_TARGET, results, input_output_aliases={5: 1, 6: 2},
-                            vmap_method="sequential")  # fmt: skip
-    dtype = q.dtype
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out, cache_k, cache_v = call(q, k, v, layout.write_slots.astype(jnp.int32), layout.num_keys.astype(jnp.int32),
-                                 cache_k, cache_v)  # fmt: skip
-    return out.astype(dtype), (cache_k, cache_v)
+    cache_k, cache_v = write_cache(cache_k, k, layout.write_slots), write_cache(cache_v, v, layout.write_slots)
+    out = dot_product_attention(q, cache_k.astype(q.dtype), cache_v.astype(q.dtype), layout.allowed)
+    return out, (cache_k, cache_v)
 
 
-def splash_attention(q, k, v, token_mask):
+class DecodeKernels:
+    """The operations of a forward that its caller may run its own way, passed to `Policy.forward` as
+    `kernels`: the sampler's decode backend does (`sao_jax.rollout.decode`, "native_cpu"). Each method
+    returns its result, or None to leave the operation to the model; this class returns None
+    throughout, so a forward with `NO_KERNELS` (the default) is the model as written. A result must
+    be the model's own up to float rounding.
+
+      attention(q, k, v, cache_kv, layout) -> (out, cache_kv)      as `cached_attention`
+      einsums(equation, x, kernels) -> [jnp.einsum(equation, x, w) for w in kernels]
+          x's trailing axes contracted with each kernel's leading ones: the projections
+          (`Projection`; q, k and v in one call) and the untied LM head ("btd,dv->btv")
+      swiglu(x, gate, up, down) -> (silu(x·G) ⊙ x·U)·D              x [batch, time, embed], a dense MLP
+      routed_experts(moe, x, token_mask, expert_ids, weights) -> [tokens, embed]
+          Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t), dropless, for the `moe.MoE` layer `moe`: x the
+          call's batch · time tokens [tokens, embed], token_mask [batch, time], expert_ids and
+          weights [tokens, k] from `moe.route`
+    """
+
+    def attention(self, q, k, v, cache_kv, layout: AttentionLayout):
+        return None
+
+    def einsums(self, equation: str, x: jax.Array, kernels: Sequence[jax.Array]):
+        return None
+
+    def swiglu(self, x: jax.Array, gate: jax.Array, up: jax.Array, down: jax.Array):
+        return None
+
+    def routed_experts(self, moe, x: jax.Array, token_mask: jax.Array, expert_ids: jax.Array, weights: jax.Array):
+        return None
+
+
+NO_KERNELS = DecodeKernels()
+
+
+def splash_attention(q, k, v, token_mask, *, interpret: bool = False):
     """`dot_product_attention` without a cache — causal, over real tokens — by the Pallas TPU
     splash (flash) kernel: scores are made block by block and never stored, in the forward or the
     backward pass. Same shapes as `dot_product_attention`, `token_mask` bool [batch, time].
@@ -248,7 +251,8 @@ def splash_attention(q, k, v, token_mask):
     real keys (a padding query sees earlier padding; its output is never read). Time is padded to
     the kernel's block size. Each kv head runs the multi-query kernel on its group of query heads.
     Under `use_mesh` the call is a `shard_map` over the batch and kv-head axes (a Pallas call cannot
-    be partitioned by XLA). Off TPU the kernel is interpreted: exact but slow, for tests.
+    be partitioned by XLA). The kernel compiles for TPU only; `interpret` runs it in Pallas interpret
+    mode instead (exact but slow, for tests and CPU runs: `ModelConfig.attention_kernel_interpret`).
     """
     from jax.experimental.pallas.ops.tpu.splash_attention import SegmentIds
 
@@ -256,7 +260,6 @@ def splash_attention(q, k, v, token_mask):
     kv_heads = k.shape[2]
     block = 512 if time > 256 else -(-time // 128) * 128
     padded = -(-time // block) * block
-    interpret = jax.default_backend() != "tpu"
     if interpret:
         _warn_interpreted()
     kernel = _splash_kernel(padded, heads // kv_heads, block, interpret)
@@ -301,80 +304,20 @@ def _warn_interpreted() -> None:
                   stacklevel=3)  # fmt: skip
 
 
-# The most rows `few_rows_matmul_cpu` takes: beyond it XLA:CPU's own dots are the faster
-# (benchmarks/RESULTS.md, the sampler section).
-FEW_ROWS = 32
-
-
-def few_rows_kernel_applies(rows: int, depth: int, width: int, dtype) -> bool:
-    """Whether `few_rows_matmul_cpu` takes x [rows, depth] · w [depth, width] of this dtype: on the
-    CPU, float32, at most `FEW_ROWS` rows, depth a multiple of 4 and width of 16."""
-    return (rows <= FEW_ROWS and jnp.dtype(dtype) == jnp.float32 and depth % 4 == 0 and width % 16 == 0
-            and jax.default_backend() == "cpu" and native.few_rows_matmul_available())  # fmt: skip
-
-
-@jax.custom_vjp
-def few_rows_matmul_cpu(x, w):
-    """x [rows, depth] · w [depth, width] by the native CPU kernel (`sao_jax/native/few_rows_matmul_cpu.cc`):
-    each 8 rows × 16 columns of the product summed in registers down the whole depth. The same
-    numbers as `x @ w` up to float rounding; its gradients are those of `x @ w`. Only where
-    `few_rows_kernel_applies`."""
-    if not native.few_rows_matmul_available():  # builds and registers the kernel
-        raise RuntimeError("few_rows_matmul_cpu: the CPU kernel is unavailable (logged why); use x @ w")
-    call = jax.ffi.ffi_call(native.FEW_ROWS_MATMUL_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32),
-                            vmap_method="sequential")  # fmt: skip
-    return call(x, w)
-
-
-def _few_rows_matmul_forward(x, w):
-    return few_rows_matmul_cpu(x, w), (x, w)
-
-
-def _few_rows_matmul_backward(residuals, cotangent):
-    x, w = residuals
-    return cotangent @ w.T, x.T @ cotangent
-
-
-few_rows_matmul_cpu.defvjp(_few_rows_matmul_forward, _few_rows_matmul_backward)
-
-
-def few_rows_matmul(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [..., depth] · w [depth, width] by `few_rows_matmul_cpu` (leading axes flattened into rows):
-    for a decode step's projections, where `few_rows_kernel_applies` (XLA:CPU's dots run these few
-    rows well below its matmul peak)."""
-    return few_rows_matmul_cpu(x.reshape(-1, x.shape[-1]), w).reshape(*x.shape[:-1], w.shape[1])
-
-
-def few_rows_matmuls(x: jax.Array, ws: Sequence[jax.Array]) -> list[jax.Array]:
-    """[x · w for w in ws] (x [..., depth], w [depth, width_i]) as one `few_rows_matmul` against the ws
-    side by side: one kernel call, one round of the thread pool, where there would be len(ws). The
-    weights do not change inside a decode loop, so XLA hoists their concatenation out of it. The
-    sampler joins q, k and v, and a dense MLP's gate and up, this way (benchmarks/RESULTS.md)."""
-    y = few_rows_matmul(x, jnp.concatenate(ws, axis=1))
-    ends = [sum(w.shape[1] for w in ws[: i + 1]) for i in range(len(ws) - 1)]
-    return jnp.split(y, ends, axis=-1)
-
-
 class Projection(nnx.Module):
     """y = einsum(x, kernel) (+ bias): a Linear layer whose kernel keeps heads as their own axis. The
     equation contracts x's trailing axes with the kernel's leading ones (`"btd,dhk->bthk"`,
-    `"bthk,hkd->btd"`); a decode step's x (time 1) goes through `few_rows_matmul` where it applies."""
+    `"bthk,hkd->btd"`)."""
 
     def __init__(self, equation, kernel_shape, kernel_axes, bias_shape, bias_axes, config, rngs):
         self.equation = equation
         self.kernel = normal_param(rngs, kernel_shape, kernel_axes, config)
         self.bias = zeros_param(bias_shape, bias_axes, config) if bias_shape else None
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: DecodeKernels = NO_KERNELS) -> jax.Array:
         kernel = self.kernel[...].astype(x.dtype)
-        x_axes, kernel_axes = self.equation.split("->")[0].split(",")
-        contracted = sum(axis in x_axes for axis in kernel_axes)
-        kept, depth = x.shape[: x.ndim - contracted], math.prod(kernel.shape[:contracted])
-        if x.shape[1] == 1 and few_rows_kernel_applies(math.prod(kept), depth, kernel.size // depth, x.dtype):
-            y = few_rows_matmul(x.reshape(*kept, depth), kernel.reshape(depth, -1))
-            y = y.reshape(*kept, *kernel.shape[contracted:])
-        else:
-            y = jnp.einsum(self.equation, x, kernel)
+        y = kernels.einsums(self.equation, x, [kernel])
+        y = jnp.einsum(self.equation, x, kernel) if y is None else y[0]
         return y if self.bias is None else y + self.bias[...].astype(x.dtype)
 
 
@@ -403,31 +346,30 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, config) if config.qk_norm else None
         self.k_norm = RMSNorm(hd, config) if config.qk_norm else None
         self.splash = config.attention == "splash"
+        self.splash_interpret = config.attention_kernel_interpret
 
-    def __call__(self, x, rope, layout: AttentionLayout, cache_kv=None):
+    def __call__(self, x, rope, layout: AttentionLayout, cache_kv=None, kernels: DecodeKernels = NO_KERNELS):
         """x: [batch, time, embed]; rope: (cos, sin) from `rope_angles`. With `cache_kv = (keys, values)`
         of this layer, the chunk's keys/values are written at `layout.write_slots` and attention runs
         over the whole cache. Returns (output [batch, time, embed], updated (keys, values) or None)."""
-        q, k, v = self.project_qkv(x)
+        q, k, v = self.project_qkv(x, kernels)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if cache_kv is not None:
-            out, cache_kv = cached_attention(q, k, v, cache_kv, layout)
+            attended = kernels.attention(q, k, v, cache_kv, layout)
+            out, cache_kv = cached_attention(q, k, v, cache_kv, layout) if attended is None else attended
         elif self.splash:
-            out = splash_attention(q, k, v, layout.token_mask)
+            out = splash_attention(q, k, v, layout.token_mask, interpret=self.splash_interpret)
         else:
             out = causal_attention(q, k, v, layout.allowed)
-        return self.o_proj(out), cache_kv
+        return self.o_proj(out, kernels), cache_kv
 
-    def project_qkv(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """q, k, v of x [batch, time, embed]: at a decode step (time 1) where `few_rows_kernel_applies`
-        to the three kernels side by side, in one `few_rows_matmuls` call; else each projection's own."""
+    def project_qkv(self, x: jax.Array, kernels: DecodeKernels = NO_KERNELS) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """q, k, v of x [batch, time, embed]: the three kernels in one `kernels.einsums` call where it
+        takes them, else each projection's own."""
         projections = (self.q_proj, self.k_proj, self.v_proj)
-        batch, time, depth = x.shape
-        kernels = [p.kernel[...].astype(x.dtype) for p in projections]
-        if time != 1 or not few_rows_kernel_applies(batch, depth, sum(w.size for w in kernels) // depth, x.dtype):
-            return tuple(p(x) for p in projections)
-        flat = few_rows_matmuls(x, [w.reshape(depth, -1) for w in kernels])
-        out = (y.reshape(batch, time, *w.shape[1:]) for y, w in zip(flat, kernels))
-        return tuple(y if p.bias is None else y + p.bias[...].astype(x.dtype) for y, p in zip(out, projections))
+        ys = kernels.einsums(self.q_proj.equation, x, [p.kernel[...].astype(x.dtype) for p in projections])
+        if ys is None:
+            return tuple(p(x, kernels) for p in projections)
+        return tuple(y if p.bias is None else y + p.bias[...].astype(x.dtype) for y, p in zip(ys, projections))

@@ -5,10 +5,10 @@ Routing is described in `ModelConfig` and implemented in `route`; four dispatche
 `dense_dispatch` (the readable reference), `sorted_dispatch` (tokens grouped by expert for
 `jax.lax.ragged_dot`), `blocked_dispatch` (tokens grouped by expert in fixed-size blocks) — these
 three give the same numbers — and `capacity_dispatch` (a fixed number of slots per expert; the same
-numbers unless an expert overflows, whose extra assignments are dropped). On the CPU every decode
-step of "blocked" takes `few_tokens_dispatch`, which runs one native kernel (`routed_swiglu_cpu`);
-elsewhere steps of at most 4 rows per expert take `few_tokens_dispatch` (a dropless
-`capacity_dispatch`) or, for one or two rows, `gathered_dispatch`.
+numbers unless an expert overflows, whose extra assignments are dropped). Calls of "blocked" with at
+most 4 tokens per expert (decode steps) take `few_tokens_dispatch` (a dropless `capacity_dispatch`)
+or, for one or two rows, `gathered_dispatch`. A caller's `DecodeKernels` may run the routed experts
+its own way (`MoE.__call__`).
 """
 
 from __future__ import annotations
@@ -20,10 +20,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sao_jax import native
 from sao_jax.models.config import ModelConfig
+from sao_jax.models.layers import NO_KERNELS, DecodeKernels, normal_param
 from sao_jax.models.sharding import active_mesh_and_rules
-from sao_jax.models.layers import few_rows_kernel_applies, few_rows_matmul, few_rows_matmuls, normal_param
 
 
 class RouterBias(nnx.Variable):
@@ -37,100 +36,6 @@ def swiglu(x, gate_proj, up_proj, down_proj):
     return (jax.nn.silu(x @ gate_proj) * (x @ up_proj)) @ down_proj
 
 
-def routed_kernel_applies(dtype, embed: int, mlp: int) -> bool:
-    """Whether `routed_swiglu_cpu` takes tokens and expert weights of this dtype and these widths:
-    on the CPU, float32, embed and mlp multiples of 16."""
-    return (jnp.dtype(dtype) == jnp.float32 and embed % 16 == 0 and mlp % 16 == 0
-            and jax.default_backend() == "cpu" and native.expert_swiglu_available())  # fmt: skip
-
-
-@jax.custom_vjp
-def routed_swiglu_cpu(x, expert_ids, weights, gate_proj, up_proj, down_proj):
-    """out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t), dropless, by the native CPU kernel
-    (`sao_jax/native/expert_swiglu_cpu.cc`): each chosen expert's weights read once, for its tokens
-    only. The same numbers as `dense_dispatch`, whose VJP gives the gradients (a recomputation: the
-    kernel is for decode steps). Only where `routed_kernel_applies`."""
-    if not native.expert_swiglu_available():  # builds and registers the kernel
-        raise RuntimeError("routed_swiglu_cpu: the CPU kernel is unavailable (logged why); use few_tokens_dispatch")
-    call = jax.ffi.ffi_call(native.EXPERT_SWIGLU_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                            vmap_method="sequential")  # fmt: skip
-    return call(x, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), gate_proj, up_proj, down_proj)
-
-
-def _routed_swiglu_cpu_forward(x, expert_ids, weights, gate_proj, up_proj, down_proj):
-    out = routed_swiglu_cpu(x, expert_ids, weights, gate_proj, up_proj, down_proj)
-    return out, (x, expert_ids, weights, gate_proj, up_proj, down_proj)
-
-
-def _routed_swiglu_cpu_backward(residuals, cotangent):
-    x, expert_ids, *floats = residuals
-    _, vjp = jax.vjp(lambda x, *floats: dense_dispatch(x, expert_ids, *floats), x, *floats)
-    grad_x, *grad_floats = vjp(cotangent)
-    return grad_x, None, *grad_floats
-
-
-routed_swiglu_cpu.defvjp(_routed_swiglu_cpu_forward, _routed_swiglu_cpu_backward)
-
-
-def pack_experts(gate_proj, up_proj, down_proj):
-    """The experts' weights laid out for `routed_swiglu_packed_cpu`: [experts, 3 · embed · mlp], per
-    expert G, U then D, each [depth, width] matrix stored as [width / 16][depth][16] so that a
-    16-column strip's weights are contiguous (the kernel reads them in memory order)."""
-
-    def strips(w):  # [experts, depth, width] → [experts, width / 16 · depth · 16]
-        experts, depth, width = w.shape
-        return w.reshape(experts, depth, width // 16, 16).transpose(0, 2, 1, 3).reshape(experts, -1)
-
-    return jnp.concatenate([strips(gate_proj), strips(up_proj), strips(down_proj)], axis=1)
-
-
-def routed_swiglu_packed_cpu(x, expert_ids, weights, packed):
-    """`routed_swiglu_cpu` on the weights of `pack_experts` (the same numbers, bit for bit here): the
-    kernel reads each strip of 16 columns in memory order instead of panels of 8 rows. Decode only (no
-    gradient); the sampler packs once per weight version (`decode_layouts`)."""
-    if not native.expert_swiglu_available():  # builds and registers the kernel
-        raise RuntimeError("routed_swiglu_packed_cpu: the CPU kernel is unavailable (logged why)")
-    call = jax.ffi.ffi_call(native.EXPERT_SWIGLU_PACKED_TARGET, jax.ShapeDtypeStruct(x.shape, jnp.float32),
-                            vmap_method="sequential")  # fmt: skip
-    return call(x, expert_ids.astype(jnp.int32), weights.astype(jnp.float32), packed)
-
-
-class DecodeLayout(nnx.Variable):
-    """An Experts module's weights as `pack_experts` lays them out, attached for one decode call by
-    `attach_decode_layouts`. Not a Param: never trained, saved or exported."""
-
-
-def decode_layout_applies(config: ModelConfig) -> bool:
-    """Whether a decode step of this model runs `routed_swiglu_packed_cpu` when given packed weights:
-    MoE layers with the blocked dispatch (whose decode steps take the routed kernel) where the kernel
-    takes the compute dtype and widths (`routed_kernel_applies`)."""
-    widths = (config.hidden_size, config.moe_intermediate_size)
-    return config.num_experts > 0 and config.moe_dispatch == "blocked" and routed_kernel_applies(
-        config.compute_dtype, *widths)
-
-
-def _experts_modules(model) -> list:
-    return [module for _, module in model.iter_modules() if isinstance(module, Experts)]
-
-
-def decode_layouts(model) -> tuple[jax.Array, ...]:
-    """`pack_experts` of each Experts module of `model` (a Policy or Critic), in module order, cast to
-    its compute dtype."""
-    dtype = model.config.compute_dtype
-    return tuple(pack_experts(*(w[...].astype(dtype) for w in (e.gate_proj, e.up_proj, e.down_proj)))
-                 for e in _experts_modules(model))  # fmt: skip
-
-
-def attach_decode_layouts(model, layouts) -> None:
-    """Gives each Experts module of `model` (in module order) its packed weights from `decode_layouts`;
-    its MoE's decode steps then read those. For a model merged inside a jitted decode call."""
-    modules = _experts_modules(model)
-    if len(modules) != len(layouts):
-        raise ValueError(f"{len(layouts)} packed expert layouts for {len(modules)} Experts modules")
-    for experts, layout in zip(modules, layouts):
-        experts.decode_layout = DecodeLayout(layout)
-
-
 class FeedForward(nnx.Module):
     """A dense SwiGLU MLP (`gate_proj`, `up_proj`: [embed, mlp]; `down_proj`: [mlp, embed])."""
 
@@ -140,19 +45,14 @@ class FeedForward(nnx.Module):
         self.up_proj = normal_param(rngs, (d, width), ("embed", "mlp"), config)
         self.down_proj = normal_param(rngs, (width, d), ("mlp", "embed"), config)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, kernels: DecodeKernels = NO_KERNELS) -> jax.Array:
         """x: [..., embed]. The leading axes are flattened first: on XLA:CPU the backward of a
         [batch, time, embed] matmul (contracting batch and time together) is slower
-        (benchmarks/RESULTS.md). A
-        decode step's x [batch, 1, embed] goes through `few_rows_matmuls` (gate and up in one call) and
-        `few_rows_matmul` where they apply."""
+        (benchmarks/RESULTS.md)."""
         dtype = x.dtype
         gate, up, down = (w[...].astype(dtype) for w in (self.gate_proj, self.up_proj, self.down_proj))
-        rows = x.shape[0] if x.ndim == 3 and x.shape[1] == 1 else math.inf  # a decode step: [batch, 1, embed]
-        if all(few_rows_kernel_applies(rows, *w.shape, dtype) for w in (gate, down)):  # so does [gate | up]
-            x_gate, x_up = few_rows_matmuls(x, (gate, up))
-            return few_rows_matmul(jax.nn.silu(x_gate) * x_up, down)
-        return swiglu(x.reshape(-1, x.shape[-1]), gate, up, down).reshape(x.shape)
+        out = kernels.swiglu(x, gate, up, down)
+        return swiglu(x.reshape(-1, x.shape[-1]), gate, up, down).reshape(x.shape) if out is None else out
 
 
 def route(router_logits, correction_bias, config: ModelConfig):
@@ -304,16 +204,13 @@ def gathered_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
 
 def few_tokens_dispatch(x, expert_ids, weights, gate_proj, up_proj, down_proj):
     """A decode step's few tokens, dropless: out_t = Σ_j w_{t,j} · SwiGLU_{expert_ids[t,j]}(x_t) as in
-    `dense_dispatch`. On the CPU (`routed_kernel_applies`), `routed_swiglu_cpu`: each chosen
-    expert's weights read once for its tokens. Elsewhere `capacity_dispatch` with
-    C = min(tokens, 2 · ceil(tokens · k / experts)) slots per expert (twice an even share) when no
-    expert got more than C assignments, else with C = tokens (room for every token), so nothing is
-    dropped; with a router near balance the first branch runs, at 2 · tokens · k token-expert
-    products instead of experts · tokens (the step reads every expert's weights either way).
+    `dense_dispatch`, by `capacity_dispatch` with C = min(tokens, 2 · ceil(tokens · k / experts))
+    slots per expert (twice an even share) when no expert got more than C assignments, else with
+    C = tokens (room for every token), so nothing is dropped; with a router near balance the first
+    branch runs, at 2 · tokens · k token-expert products instead of experts · tokens (the step reads
+    every expert's weights either way).
     """
     args = (x, expert_ids, weights, gate_proj, up_proj, down_proj)
-    if x.dtype == gate_proj.dtype and routed_kernel_applies(x.dtype, *gate_proj.shape[1:]):
-        return routed_swiglu_cpu(*args)
     tokens, k = expert_ids.shape
     num_experts = gate_proj.shape[0]
     small = min(tokens, 2 * -(-tokens * k // num_experts))
@@ -550,9 +447,8 @@ def expert_parallel_gmm_dispatch(x, expert_ids, weights, gate_proj, up_proj, dow
                          out_specs=rows, check_vma=False)(x, expert_ids, weights, gate_proj, up_proj, down_proj)  # fmt: skip
 
 
-# Calls with at most this many tokens per expert take `few_tokens_dispatch` (`MoE.__call__`); so do
-# all decode steps where its CPU kernel runs.
-_FEW_TOKENS_PER_EXPERT = 4
+# Calls of "blocked" with at most this many tokens per expert take `few_tokens_dispatch` (`MoE.__call__`).
+FEW_TOKENS_PER_EXPERT = 4
 
 DISPATCHES = {
     "dense": dense_dispatch,
@@ -588,7 +484,6 @@ class Experts(nnx.Module):
         self.gate_proj = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), config)
         self.up_proj = normal_param(rngs, (e, d, f), ("expert", "embed", "mlp"), config)
         self.down_proj = normal_param(rngs, (e, f, d), ("expert", "mlp", "embed"), config)
-        self.decode_layout: DecodeLayout | None = nnx.data(None)  # set only by `attach_decode_layouts`
 
 
 class MoE(nnx.Module):
@@ -604,49 +499,45 @@ class MoE(nnx.Module):
             else None
         )
 
-    def __call__(self, x: jax.Array, token_mask: jax.Array):
-        """x: [batch, time, embed]; token_mask: [batch, time] (padding is excluded from the aux loss)."""
+    def __call__(self, x: jax.Array, token_mask: jax.Array, kernels: DecodeKernels = NO_KERNELS):
+        """x: [batch, time, embed]; token_mask: [batch, time] (padding is excluded from the aux loss).
+        The routed experts run `kernels.routed_experts` where it takes them, else `dispatch`."""
         batch, time, d = x.shape
         flat = x.reshape(batch * time, d)
         bias = self.router.e_score_correction_bias
         expert_ids, weights, scores = route(self.router(flat), None if bias is None else bias[...], self.config)
-        dispatch = DISPATCHES[self.config.moe_dispatch]
-        experts = self.config.num_experts
-        if dispatch is capacity_dispatch:  # slots are sized per call; padding tokens take none
-            capacity = expert_capacity(batch * time, self.config.num_experts_per_token, self.config.num_experts,
-                                       self.config.moe_capacity_factor)  # fmt: skip
-            dispatch = functools.partial(dispatch, capacity=capacity, token_mask=token_mask.reshape(-1))
-        kernel = False  # whether this call takes the routed kernel
-        if dispatch is blocked_dispatch:
-            # A decode step has so few tokens that the blocks would be a scan over about two tiny
-            # blocks per expert. On the CPU one kernel runs the chosen experts on their tokens
-            # (`few_tokens_dispatch`), at any batch. Elsewhere, for one or two rows, copying the few
-            # chosen experts' weights reads fewer bytes than running all of them, and for more,
-            # dropless capacity slots (the same numbers) run all experts in one batched matmul
-            # (timings: benchmarks/RESULTS.md, "Sampler").
-            few_tokens = batch * time <= _FEW_TOKENS_PER_EXPERT * experts
-            kernel = (few_tokens or time == 1) and routed_kernel_applies(
-                x.dtype, self.config.hidden_size, self.config.moe_intermediate_size)
-            if few_tokens or kernel:
-                few_rows = 2 * batch * time * self.config.num_experts_per_token <= experts
-                dispatch = gathered_dispatch if few_rows and not kernel else few_tokens_dispatch
-        if dispatch is gmm_dispatch:
-            interpret = self.config.moe_kernel_interpret
-            active = active_mesh_and_rules()
-            if active is not None:  # a Pallas call is not partitioned by XLA: shard_map over tokens and experts
-                dispatch = functools.partial(expert_parallel_gmm_dispatch, mesh=active[0], interpret=interpret)
-            else:
-                dispatch = functools.partial(gmm_dispatch, interpret=interpret)
-        dtype = x.dtype
-        packed = self.experts.decode_layout
-        if kernel and packed is not None:  # a decode step, the weights packed by the sampler
-            out = routed_swiglu_packed_cpu(flat, expert_ids, weights, packed[...])
-        else:
-            gate, up, down = (w[...].astype(dtype) for w in (self.experts.gate_proj, self.experts.up_proj,
-                                                             self.experts.down_proj))  # fmt: skip
-            out = dispatch(flat, expert_ids, weights, gate, up, down)
+        out = kernels.routed_experts(self, flat, token_mask, expert_ids, weights)
+        if out is None:
+            gate, up, down = (w[...].astype(x.dtype) for w in (self.experts.gate_proj, self.experts.up_proj,
+                                                               self.experts.down_proj))  # fmt: skip
+            out = self.dispatch(batch * time, token_mask)(flat, expert_ids, weights, gate, up, down)
         out = out.reshape(batch, time, d)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + self.shared_experts(x, kernels)
         aux = load_balancing_loss(scores, expert_ids, token_mask.reshape(-1), self.config.num_experts)
         return out, aux
+
+    def dispatch(self, tokens: int, token_mask: jax.Array):
+        """The dispatch of a call over `tokens` tokens: `config.moe_dispatch`'s, with capacity slots
+        sized for the call, the Pallas kernel under a mesh in a `shard_map`, and a "blocked" call of
+        at most `FEW_TOKENS_PER_EXPERT` tokens per expert through `few_tokens_dispatch` — or, for one
+        or two rows, `gathered_dispatch`, since copying the few chosen experts' weights reads fewer
+        bytes than running all of them. Such a decode step would otherwise be a scan over about two
+        tiny blocks per expert; dropless capacity slots (the same numbers) run all experts in one
+        batched matmul (timings: benchmarks/RESULTS.md, "Sampler")."""
+        config = self.config
+        dispatch = DISPATCHES[config.moe_dispatch]
+        if dispatch is capacity_dispatch:  # slots are sized per call; padding tokens take none
+            capacity = expert_capacity(tokens, config.num_experts_per_token, config.num_experts,
+                                       config.moe_capacity_factor)  # fmt: skip
+            return functools.partial(dispatch, capacity=capacity, token_mask=token_mask.reshape(-1))
+        if dispatch is blocked_dispatch and tokens <= FEW_TOKENS_PER_EXPERT * config.num_experts:
+            few_rows = 2 * tokens * config.num_experts_per_token <= config.num_experts
+            return gathered_dispatch if few_rows else few_tokens_dispatch
+        if dispatch is gmm_dispatch:
+            interpret = config.moe_kernel_interpret
+            active = active_mesh_and_rules()
+            if active is not None:  # a Pallas call is not partitioned by XLA: shard_map over tokens and experts
+                return functools.partial(expert_parallel_gmm_dispatch, mesh=active[0], interpret=interpret)
+            return functools.partial(gmm_dispatch, interpret=interpret)
+        return dispatch

@@ -1,21 +1,23 @@
-"""CPU kernels compiled from this folder's C++ and called through the XLA FFI.
+"""CPU kernels compiled from this folder's C++ and called through the XLA FFI: an optional accelerator
+for XLA:CPU, which nothing on other platforms runs.
 
-Four kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row;
-`cached_attention_cpu.cc`, a decode step's attention over the KV cache read in place;
-`expert_swiglu_cpu.cc`, a decode step's routed experts (each chosen expert's SwiGLU on its tokens,
-summed per token; two targets, for the weights as stored and as `moe.pack_experts` lays them out);
-and `few_rows_matmul_cpu.cc`, a decode step's projections (a few rows times a weight matrix). Each
-is built on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI headers
-that ship with jaxlib, for this machine's CPU (`-march=native`), cached as `<cache>/<name>-<hash>.so`
-(the hash covers the source and this folder's headers, the jaxlib version, the compiler and the
-CPU), then registered with `jax.ffi.register_ffi_target` for the CPU platform. `<cache>` is
-`$SAO_JAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sao_jax/kernels`, else `~/.cache/sao_jax/kernels`.
-Concurrent builds (several processes) each write a private file and rename it into place, so a
-reader never sees half a library.
+Four kernels: `gae_cpu.cc`, skip-observation GAE as a single pass over each row (`advantages`,
+method "kernel"); and three for the sampler's `native_cpu` decode backend (`sao_jax.rollout.decode`;
+their calls from JAX are in `decode.py`): `cached_attention_cpu.cc`, a decode step's attention over
+the KV cache read in place; `expert_swiglu_cpu.cc`, a decode step's routed experts (each chosen
+expert's SwiGLU on its tokens, summed per token, on the weights as `decode.pack_experts` lays them
+out); and `few_rows_matmul_cpu.cc`, a decode step's projections (a few rows times a weight matrix).
+Each is built on first use with the system C++ compiler (`$CXX`, else `c++`) against the XLA FFI
+headers that ship with jaxlib, for this machine's CPU (`-march=native`), cached as
+`<cache>/<name>-<hash>.so` (the hash covers the source and this folder's headers, the jaxlib version,
+the compiler and the CPU), then registered with `jax.ffi.register_ffi_target` for the CPU platform.
+`<cache>` is `$SAO_JAX_KERNEL_CACHE`, else `$XDG_CACHE_HOME/sao_jax/kernels`, else
+`~/.cache/sao_jax/kernels`. Concurrent builds (several processes) each write a private file and
+rename it into place, so a reader never sees half a library.
 
 Without a compiler a kernel is unavailable: `gae_kernel_available()`, `cached_attention_available()`,
 `expert_swiglu_available()` and `few_rows_matmul_available()` say so, log why once, and the callers
-fall back to their XLA paths (same results).
+fall back to XLA (same results).
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ logger = logging.getLogger(__name__)
 
 GAE_TARGET = "sao_skip_observation_gae"
 CACHED_ATTENTION_TARGET = "sao_cached_attention"
-EXPERT_SWIGLU_TARGET = "sao_expert_swiglu"
 EXPERT_SWIGLU_PACKED_TARGET = "sao_expert_swiglu_packed"
 FEW_ROWS_MATMUL_TARGET = "sao_few_rows_matmul"
 _HERE = Path(__file__).parent
@@ -118,10 +119,8 @@ def cached_attention_available() -> bool:
 def expert_swiglu_available() -> bool:
     """Builds and registers the experts' SwiGLU kernel (once per process); False, logged, if that
     fails."""
-    fallback = "running the decode steps' experts through XLA's dispatch"
-    return _register("expert_swiglu_cpu.cc", "SaoExpertSwiglu", EXPERT_SWIGLU_TARGET, fallback) and _register(
-        "expert_swiglu_cpu.cc", "SaoExpertSwigluPacked", EXPERT_SWIGLU_PACKED_TARGET, fallback
-    )
+    return _register("expert_swiglu_cpu.cc", "SaoExpertSwigluPacked", EXPERT_SWIGLU_PACKED_TARGET,
+                     "running the decode steps' experts through XLA's dispatch")
 
 
 @functools.cache

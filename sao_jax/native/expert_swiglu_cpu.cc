@@ -1,24 +1,21 @@
 // A decode step's routed experts on the CPU, as one XLA FFI call: for tokens x [tokens, embed], their
-// top-k expert ids and weights [tokens, k], and expert weights G, U [experts, embed, mlp],
-// D [experts, mlp, embed],
+// top-k expert ids and weights [tokens, k], and the expert weights packed [experts, 3 · embed · mlp]
+// (`native.decode.pack_experts`: per expert G, U [embed, mlp] then D [mlp, embed], each matrix
+// stored as [width / 16][depth][16]),
 //   y[t] = Σ_j w[t, j] · SwiGLU_{e(t, j)}(x[t]),   SwiGLU_e(x) = (silu(x·G[e]) ⊙ x·U[e])·D[e],
 // what `moe.dense_dispatch` gives (dropless; an id outside [0, experts) contributes nothing).
 // Why a kernel: a decode step has a few tokens per expert, so it is bound by reading every chosen
 // expert's weights; XLA's dispatch (slots, gathers, a batched dot over padded slots, a cond on
 // the routing) cost about as much again. Here the assignments are grouped by expert (token order),
-// one task per expert with assignments gathers its tokens and reads each weight matrix once, in
-// panels of 8 rows (contiguous), prefetching the next panel into L2 while it multiplies this one,
-// the sums of 8 rows × 16 columns in registers across a panel; experts no token chose are not read.
-// Packed weights (`SaoExpertSwigluPacked`, `moe.pack_experts`): per expert the three matrices one
-// after the other, each as [width / 16][depth][16], so a 16-column strip's weights for all depths
-// are contiguous; a task reads them in memory order with the strip's sums in registers down the
-// whole depth, prefetching kStripAhead lines ahead. The sampler packs once per weight version
-// (`Sampler._packed_experts`); the packed layout is the faster of the two at decode.
-// Panels beat a strip of 16 columns read down all rows with the sums in registers throughout (no
-// panels), whose reads from DRAM are strided, and both beat XLA's batched dot over padded slots.
-// The rows' inputs and sums are kept in the group orders below (one pointer for a block's 8 rows,
-// not 8). benchmarks/RESULTS.md (the sampler section) has the timings of each of these choices.
-// The tasks run over XLA's intra-op pool. silu(z) = z · sigmoid(z), sigmoid from
+// one task per expert with assignments gathers its tokens and reads each weight matrix once: a
+// packed 16-column strip's weights for all depths are contiguous, read in memory order with the
+// strip's sums in registers down the whole depth, prefetching kStripAhead lines ahead; experts no
+// token chose are not read. The sampler packs once per weight version (`rollout.decode`). The
+// packed layout beat the weights as stored read in panels of 8 rows, which beat a strip of 16
+// columns read down the stored rows (strided reads from DRAM), and all of them beat XLA's batched
+// dot over padded slots. The rows' inputs and sums are kept in the group orders below (one pointer
+// for a block's 8 rows, not 8). benchmarks/RESULTS.md (the sampler section) has the timings of each
+// of these choices. The tasks run over XLA's intra-op pool. silu(z) = z · sigmoid(z), sigmoid from
 // `ExpNonPositive` of −|z| (relative error < 2e-7).
 
 #include <algorithm>
@@ -37,7 +34,6 @@ namespace {
 
 using namespace sao_native;  // Vec, Load, Store, ExpNonPositive, ForGroups, CopyByDepth, ParallelFor
 
-constexpr int64_t kPanel = 8;           // weight rows a pass reads (kPanel · width contiguous floats)
 constexpr int64_t kStrip = 2 * kLanes;  // columns whose sums a register block holds (one cache line)
 
 inline float Silu(float z) {
@@ -73,45 +69,9 @@ inline void AddProducts(const float* x, const float* w, int64_t depth, int64_t s
   }
 }
 
-// acc[r][0, 16) (+)= Σ_{k < kPanel} x[k][r] · w[k][0, 16) for r < R: x by depth (at the panel's first
-// row), acc one strip of a group by strip, w the panel's 16 columns (rows `width` apart); the sums
-// stay in registers across the panel; `first` starts them at 0.
-template <int R>
-inline void Block(const float* x, const float* w, int64_t width, float* acc, bool first) {
-  Vec a[R][2];
-  for (int r = 0; r < R; ++r) {
-    a[r][0] = first ? Vec{} : Load(acc + r * kStrip);
-    a[r][1] = first ? Vec{} : Load(acc + r * kStrip + kLanes);
-  }
-  AddProducts<R, 0>(x, w, kPanel, width, a);
-  for (int r = 0; r < R; ++r) {
-    Store(a[r][0], acc + r * kStrip);
-    Store(a[r][1], acc + r * kStrip + kLanes);
-  }
-}
-
-// y = x · w for n rows: x [n, depth] by depth, w [depth, width] read a panel of kPanel rows at a time,
-// 16 columns after 16, while the same columns of the next panel are prefetched into L2; y [n, width]
-// by strip.
-void RowsTimesMatrix(const float* x, int64_t n, const float* w, int64_t depth, int64_t width, float* y) {
-  for (int64_t k0 = 0; k0 < depth; k0 += kPanel) {
-    const float* panel = w + k0 * width;
-    const bool first = k0 == 0, prefetch = k0 + kPanel < depth;
-    for (int64_t c0 = 0; c0 < width; c0 += kStrip) {
-      if (prefetch) {
-        for (int64_t k = 0; k < kPanel; ++k) __builtin_prefetch(panel + (kPanel + k) * width + c0, 0, 2);
-      }
-      ForGroups(n, [&](int64_t r0, auto rows) {
-        constexpr int R = decltype(rows)::value;
-        Block<R>(x + r0 * depth + k0 * R, panel + c0, width, y + r0 * width + c0 * R, first);
-      });
-    }
-  }
-}
-
 constexpr int64_t kStripAhead = 128;  // packed weight lines (one a depth) prefetched ahead
 
-// y = x · w for n rows as RowsTimesMatrix, w packed [width / 16][depth][16].
+// y = x · w for n rows: x [n, depth] by depth, w packed [width / 16][depth][16]; y [n, width] by strip.
 void RowsTimesStrips(const float* x, int64_t n, const float* w, int64_t depth, int64_t width, float* y) {
   for (int64_t c0 = 0; c0 < width; c0 += kStrip) {
     ForGroups(n, [&](int64_t r0, auto rows) {
@@ -126,11 +86,9 @@ void RowsTimesStrips(const float* x, int64_t n, const float* w, int64_t depth, i
   }
 }
 
-// The three matrices of one expert and the routine that reads their layout (RowsTimesMatrix or
-// RowsTimesStrips).
+// The three packed matrices of one expert.
 struct ExpertWeights {
   const float *gate, *up, *down;
-  void (*times)(const float* x, int64_t n, const float* w, int64_t depth, int64_t width, float* y);
 };
 
 // An expert's assignments (rows of x listed in `tokens`, n of them): h = silu(x·G) ⊙ x·U, then
@@ -141,8 +99,8 @@ void Expert(const float* x, const int64_t* tokens, int64_t n, const ExpertWeight
   float* g = rows + n * s.embed;    // [n, mlp] by strip; later h by depth
   float* u = g + n * s.mlp;         // [n, mlp] by strip, then h
   CopyByDepth(n, s.embed, [&](int64_t r) { return x + tokens[r] * s.embed; }, rows);
-  weights.times(rows, n, weights.gate, s.embed, s.mlp, g);
-  weights.times(rows, n, weights.up, s.embed, s.mlp, u);
+  RowsTimesStrips(rows, n, weights.gate, s.embed, s.mlp, g);
+  RowsTimesStrips(rows, n, weights.up, s.embed, s.mlp, u);
   for (int64_t i = 0; i < n * s.mlp; i += kLanes) {
     Vec silu;
     const Vec g_i = Load(g + i);
@@ -157,7 +115,7 @@ void Expert(const float* x, const int64_t* tokens, int64_t n, const ExpertWeight
       for (int r = 0; r < R; ++r)
         for (int64_t c = 0; c < kStrip; ++c) to[(c0 + c) * R + r] = from[c0 * R + r * kStrip + c];
   });
-  weights.times(g, n, weights.down, s.mlp, s.embed, rows);
+  RowsTimesStrips(g, n, weights.down, s.mlp, s.embed, rows);
   ForGroups(n, [&](int64_t r0, auto group) {  // by strip → row after row
     constexpr int R = decltype(group)::value;
     const float* from = rows + r0 * s.embed;
@@ -167,7 +125,7 @@ void Expert(const float* x, const int64_t* tokens, int64_t n, const ExpertWeight
   });
 }
 
-// x [tokens, embed], expert_ids and weights [tokens, k]: the checks both handlers share.
+// x [tokens, embed], expert_ids and weights [tokens, k].
 ffi::Error CheckTokens(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::S32>& expert_ids,
                        const ffi::Buffer<ffi::F32>& weights) {
   const auto xd = x.dimensions(), id = expert_ids.dimensions(), wd = weights.dimensions();
@@ -219,27 +177,6 @@ void Routed(ffi::ThreadPool& pool, const ffi::Buffer<ffi::F32>& x, const ffi::Bu
   }
 }
 
-ffi::Error RoutedSwigluImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> expert_ids,
-                            ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> gate, ffi::Buffer<ffi::F32> up,
-                            ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto error = CheckTokens(x, expert_ids, weights); error.failure()) return error;
-  const auto gd = gate.dimensions(), ud = up.dimensions(), dd = down.dimensions();
-  if (gd.size() != 3) return ffi::Error::InvalidArgument("gate, up [experts, embed, mlp]");
-  const Shape s{gd[0], x.dimensions()[1], gd[2]};
-  if (gd[1] != s.embed || ud.size() != 3 || ud[0] != s.experts || ud[1] != s.embed || ud[2] != s.mlp ||
-      dd.size() != 3 || dd[0] != s.experts || dd[1] != s.mlp || dd[2] != s.embed || s.embed % kStrip != 0 ||
-      s.mlp % kStrip != 0) {
-    return ffi::Error::InvalidArgument(
-        "routed swiglu: gate, up [experts, embed, mlp], down [experts, mlp, embed], embed and mlp multiples of 16");
-  }
-  const int64_t size = s.embed * s.mlp;
-  Routed(pool, x, expert_ids, weights, s, [&](int64_t e) {
-    return ExpertWeights{gate.typed_data() + e * size, up.typed_data() + e * size, down.typed_data() + e * size,
-                         RowsTimesMatrix};
-  }, y);
-  return ffi::Error::Success();
-}
-
 ffi::Error RoutedSwigluPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> expert_ids,
                                   ffi::Buffer<ffi::F32> weights, ffi::Buffer<ffi::F32> packed,
                                   ffi::ResultBuffer<ffi::F32> y) {
@@ -254,23 +191,12 @@ ffi::Error RoutedSwigluPackedImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t size = s.embed * s.mlp;
   Routed(pool, x, expert_ids, weights, s, [&](int64_t e) {
     const float* base = packed.typed_data() + e * 3 * size;
-    return ExpertWeights{base, base + size, base + 2 * size, RowsTimesStrips};
+    return ExpertWeights{base, base + size, base + 2 * size};
   }, y);
   return ffi::Error::Success();
 }
 
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SaoExpertSwiglu, RoutedSwigluImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // x [tokens, embed]
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // expert ids [tokens, k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // weights [tokens, k]
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // gate
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // up
-                                  .Arg<ffi::Buffer<ffi::F32>>()  // down
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // y [tokens, embed]
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SaoExpertSwigluPacked, RoutedSwigluPackedImpl,
                               ffi::Ffi::Bind()

@@ -5,7 +5,8 @@ state half of `nnx.split(policy)`: new weights can be passed to any call (the ro
 versions between decode chunks) without recompiling. `prefill` compiles once per (batch, max_len,
 chunk width), `decode_chunk` once per (batch, max_len, window) with windows from `window_for` (four
 sizes per octave, or only the cache length where the decode attention kernel runs); the sampling
-settings are fixed per `Sampler`.
+settings and the decode backend (`sao_jax.rollout.decode`: "xla", or on the CPU "native_cpu") are
+fixed per `Sampler`.
 
 The state of a batch of rows (one sequence each) is the KV cache plus, per row, the logits of the next
 token given everything fed so far (`next_logits`). Three calls move it forward:
@@ -22,7 +23,7 @@ A decode step samples token x_t from μ(· | next_logits), records log μ(x_t) a
 the cache and keeps the new logits. So a stop token is in the cache when a row stops, and an
 observation prefilled afterwards continues the same sequence: the history is never re-encoded.
 Randomness is per row: the token that lands in cache slot ℓ of row b is drawn (`sample_from`) at
-u = uniform(fold_in(keys[b], ℓ)) (`slot_uniforms`), so a sequence depends only on its own key, not
+u = uniform(fold_in(keys[b], ℓ)) (`decode.slot_uniforms`), so a sequence depends only on its own key, not
 on its batch neighbours, its row or how decoding was cut into chunks and windows.
 
 What is recorded — μ is the distribution the token is actually drawn from (`sampling_log_probs`;
@@ -52,8 +53,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from sao_jax.models import moe
-from sao_jax.models.layers import KVCache, decode_kernel_applies
+from sao_jax.models.layers import KVCache
+from sao_jax.rollout import decode
 
 
 @struct.dataclass
@@ -123,46 +124,6 @@ def sampling_log_probs(logits: jax.Array, *, temperature: float = 1.0, top_k: in
     return jax.nn.log_softmax(z, axis=-1)
 
 
-_THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
-
-
-def _threefry2x32(k1, k2, x1, x2):
-    """Threefry-2x32 with 20 rounds (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3",
-    SC 2011): the counter (x1, x2) hashed under the key (k1, k2), uint32 arrays of one shape. Rounds
-    rotate by 13, 15, 26, 6 then 17, 29, 16, 24; after every fourth the key words are injected in turn
-    from (k1, k2, k1 ^ k2 ^ 0x1BD11BDA), plus the injection's number."""
-    key_words = (k1, k2, k1 ^ k2 ^ jnp.uint32(0x1BD11BDA))
-    x1, x2 = x1 + key_words[0], x2 + key_words[1]
-    for injection in range(1, 6):
-        for r in _THREEFRY_ROTATIONS[(injection - 1) % 2]:
-            x1 = x1 + x2
-            x2 = x1 ^ ((x2 << jnp.uint32(r)) | (x2 >> jnp.uint32(32 - r)))
-        x1 = x1 + key_words[injection % 3]
-        x2 = x2 + key_words[(injection + 1) % 3] + jnp.uint32(injection)
-    return x1, x2
-
-
-def slot_uniforms(keys: jax.Array, slots: jax.Array) -> jax.Array:
-    """u[b] = `jax.random.uniform(jax.random.fold_in(keys[b], slots[b]), ())`, bit for bit: float32
-    in [0, 1). keys: typed PRNG keys [batch]; slots: int [batch].
-
-    For threefry keys (JAX's default) the two hashes — fold_in's, then the uniform's bits — are
-    written out here: XLA:CPU lowers JAX's threefry as a 5-iteration while loop, and those two loops
-    and their copies take much of a decode step's sampling time (benchmarks/RESULTS.md). The same
-    numbers as JAX's: fold_in(k, d) hashes the counter
-    (0, d) under k; a uniform of shape () hashes (0, 0) under that key and takes the high 23 bits of
-    the two words' XOR as the mantissa of a float in [1, 2), minus 1. Other key implementations, and
-    `jax_threefry_partitionable` off (other bits), take `jax.random` itself."""
-    if str(jax.random.key_impl(keys)) != "threefry2x32" or not jax.config.jax_threefry_partitionable:
-        return jax.vmap(lambda key, slot: jax.random.uniform(jax.random.fold_in(key, slot), ()))(keys, slots)
-    data = jax.random.key_data(keys)
-    zeros = jnp.zeros(slots.shape, jnp.uint32)
-    k1, k2 = _threefry2x32(data[..., 0], data[..., 1], zeros, slots.astype(jnp.uint32))
-    bits1, bits2 = _threefry2x32(k1, k2, zeros, zeros)
-    mantissa = (bits1 ^ bits2) >> jnp.uint32(9)
-    return jax.lax.bitcast_convert_type(mantissa | jnp.uint32(0x3F800000), jnp.float32) - 1.0
-
-
 def _prefix_sums(x: jax.Array) -> jax.Array:
     """cumsum of a short vector as one masked sum, Σ_{i≤j} x_i for each j (n² terms)."""
     n = x.shape[0]
@@ -220,13 +181,19 @@ class Sampler:
     calls. `chunk_size`: most tokens one `decode_chunk` samples per row before returning to the host
     (a chunk ends early once every row has stopped or paused).
     The `DecodeState` passed to `prefill` / `decode_chunk` is donated: use only the returned one.
-    Where the CPU experts' kernel runs (`moe.decode_layout_applies`), the sampler keeps a packed copy
-    of the MoE layers' expert weights for it, made when a call brings new weight arrays and reused
-    while the same arrays come in (`_packed_experts`).
+
+    `decode_backend`, one of `decode.DECODE_BACKENDS`, is what runs the programs' hot operations
+    (`sao_jax.rollout.decode`): "xla", the model as written, on any platform; "native_cpu", C++
+    kernels for a decode step's attention, projections and experts and a written-out threefry, the
+    same numbers several times faster on a few-core CPU, where XLA's own code for these few-row
+    steps runs far below the memory bandwidth (benchmarks/RESULTS.md, "Sampler"); "auto" (default),
+    "native_cpu" where JAX's default backend is the CPU, else "xla". An unknown name, or
+    "native_cpu" off the CPU, is a ValueError naming `decode_backend`. The choice is made here,
+    once: the programs pass the backend's kernels to `Policy.forward`.
     """
 
     def __init__(self, policy, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
-                 chunk_size: int = 32):  # fmt: skip
+                 chunk_size: int = 32, decode_backend: str = "auto"):  # fmt: skip
         if not temperature > 0:
             raise ValueError(f"Sampler temperature must be > 0 (got {temperature}); for greedy use top_k=1")
         if top_k < 0:
@@ -239,15 +206,11 @@ class Sampler:
         self.config = policy.config
         self.chunk_size = chunk_size
         self.log_probs = functools.partial(sampling_log_probs, temperature=temperature, top_k=top_k, top_p=top_p)
-        # XLA:CPU's YNNPACK dot fusions are off here: a decode step's few-row matmuls
-        # (32 × 256 · 256 × 1024) run slower with them than with XLA's own dot emitter (benchmarks/RESULTS.md).
-        options = {"xla_cpu_experimental_ynn_fusion_type": ""} if jax.default_backend() == "cpu" else None
+        self.backend = decode.decode_backend(decode_backend, self.graphdef, self.config)
+        options = self.backend.compiler_options
         self._prefill = jax.jit(self._prefill_impl, donate_argnums=(2,), compiler_options=options)
         self._decode_chunk = jax.jit(self._decode_chunk_impl, donate_argnums=(2,), static_argnums=(6,),
                                      compiler_options=options)  # fmt: skip
-        self._packs_experts = moe.decode_layout_applies(self.config)
-        self._pack_experts = jax.jit(lambda params: moe.decode_layouts(nnx.merge(self.graphdef, params)))
-        self._packed = ((), ())  # (the params' leaves, their experts packed): the last weights seen
 
     def init_state(self, batch_size: int, max_len: int) -> DecodeState:
         """An empty state: a zeroed cache of `max_len` slots per row (= the longest sequence)."""
@@ -270,7 +233,7 @@ class Sampler:
         tokens = jnp.asarray(tokens, jnp.int32)
         mask = jnp.asarray(mask, bool)
         reset = jnp.zeros(tokens.shape[:1], bool) if reset is None else jnp.asarray(reset, bool)
-        return self._prefill(params, self._packed_experts(params), state, tokens, mask, reset)
+        return self._prefill(params, self.backend.prepare(params), state, tokens, mask, reset)
 
     def decode_chunk(self, params, state: DecodeState, keys, max_new_tokens, stop_ids, window: int | None = None):
         """Sample up to `chunk_size` tokens per row; returns (state, DecodeChunk).
@@ -284,29 +247,13 @@ class Sampler:
         grow with the slots it reads, so sequences much shorter than the cache decode faster; a row
         that reaches `window` pauses (not finished) and goes on in the next chunk. Use
         `window_for` to pick one of few compiled sizes. Where the decode attention kernel runs
-        (`decode_kernel_applies`) it reads only the slots each row has filled, so the cache is not
-        cut (that would copy it) and the window only pauses rows.
+        (`attends_filled_slots_only` of the backend) it reads only the slots each row has filled, so
+        the cache is not cut (that would copy it) and the window only pauses rows.
         """
         max_new_tokens = jnp.asarray(max_new_tokens, jnp.int32)
         stop_ids = jnp.asarray(stop_ids, jnp.int32)
         window = state.cache.max_len if window is None else min(int(window), state.cache.max_len)
-        packed_experts = self._packed_experts(params)
-        return self._decode_chunk(params, packed_experts, state, keys, max_new_tokens, stop_ids, window)
-
-    def _packed_experts(self, params) -> tuple[jax.Array, ...]:
-        """The MoE layers' expert weights packed for the CPU decode kernel (`moe.decode_layouts`), or ()
-        where that kernel does not run. Packed once per weight version: the last params' leaves are
-        kept and the packing reused while the same arrays come in (JAX arrays do not change), so the
-        engine's chunks over one published version pack once. Inside the jitted decode, packing on
-        every call cost the d256 MoE (batch 32) more than it saved (50 MB of transposes a chunk)."""
-        if not self._packs_experts:
-            return ()
-        leaves = jax.tree.leaves(params)
-        seen, packed = self._packed
-        if len(seen) != len(leaves) or any(a is not b for a, b in zip(seen, leaves)):
-            packed = self._pack_experts(params)
-            self._packed = (leaves, packed)  # one assignment: threads sharing the sampler see a whole pair
-        return packed
+        return self._decode_chunk(params, self.backend.prepare(params), state, keys, max_new_tokens, stop_ids, window)
 
     def window_for(self, state: DecodeState, longest: int) -> int:
         """The window a chunk needs when no row is longer than `longest` tokens at its end: the next of
@@ -351,25 +298,24 @@ class Sampler:
 
     # --- jitted implementations -------------------------------------------------------------------
 
-    def _model(self, params, packed_experts):
+    def _model(self, params, prepared):
+        """The policy of `params` and the backend's kernels for it (`prepared`: `backend.prepare`'s)."""
         model = nnx.merge(self.graphdef, params)
-        if packed_experts:
-            moe.attach_decode_layouts(model, packed_experts)
-        return model
+        return model, self.backend.kernels(model, prepared)
 
-    def _prefill_impl(self, params, packed_experts, state: DecodeState, tokens, mask, reset):
-        model = self._model(params, packed_experts)
+    def _prefill_impl(self, params, prepared, state: DecodeState, tokens, mask, reset):
+        model, kernels = self._model(params, prepared)
         cache = state.cache.replace(lengths=jnp.where(reset, 0, state.cache.lengths))
-        logits, cache, _ = model.forward(tokens, attention_mask=mask, cache=cache)
+        logits, cache, _ = model.forward(tokens, attention_mask=mask, cache=cache, kernels=kernels)
         time = tokens.shape[1]
         last_real = time - 1 - jnp.argmax(mask[:, ::-1], axis=1)  # index of each row's last real token
         last_logits = jnp.take_along_axis(logits, last_real[:, None, None], axis=1)[:, 0]
         fed = jnp.any(mask, axis=1)
         return DecodeState(cache=cache, next_logits=jnp.where(fed[:, None], last_logits, state.next_logits))
 
-    def _decode_chunk_impl(self, params, packed_experts, state: DecodeState, keys, max_new_tokens, stop_ids,
+    def _decode_chunk_impl(self, params, prepared, state: DecodeState, keys, max_new_tokens, stop_ids,
                            window):  # fmt: skip
-        model = self._model(params, packed_experts)
+        model, kernels = self._model(params, prepared)
         batch, chunk = state.next_logits.shape[0], self.chunk_size
         full = state.cache
         budget = jnp.minimum(max_new_tokens, full.max_len - full.lengths)  # a row finishes when it is spent
@@ -396,10 +342,12 @@ class Sampler:
             step, cache, next_logits, out = carry
             sampling = active(out)
             log_mu = self.log_probs(next_logits)
-            token = jax.vmap(sample_from)(slot_uniforms(keys, cache.lengths), log_mu)  # keyed by the slot it takes
+            uniforms = self.backend.slot_uniforms(keys, cache.lengths)  # keyed by the slot the token takes
+            token = jax.vmap(sample_from)(uniforms, log_mu)
             token = jnp.where(sampling, token, 0)
             logprob = jnp.take_along_axis(log_mu, token[:, None], axis=-1)[:, 0]
-            logits, cache, _ = model.forward(token[:, None], attention_mask=sampling[:, None], cache=cache)
+            logits, cache, _ = model.forward(token[:, None], attention_mask=sampling[:, None], cache=cache,
+                                             kernels=kernels)  # fmt: skip
             next_logits = jnp.where(sampling[:, None], logits[:, 0], next_logits)
             num_tokens = out.num_tokens + sampling
             stopped = jnp.any(token[:, None] == stop_ids, axis=1) | (num_tokens >= budget)
@@ -424,5 +372,4 @@ class Sampler:
 
     def _kernel_attends_filled_slots(self, cache: KVCache) -> bool:
         """Whether a decode step runs the attention kernel, which reads only each row's filled slots."""
-        c = self.config
-        return decode_kernel_applies(c.num_heads, c.num_kv_heads, c.head_dim, cache.keys[0].dtype)
+        return self.backend.attends_filled_slots_only(self.config, cache.keys[0].dtype)

@@ -24,6 +24,7 @@ from sao_jax.models import sharding
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
 from sao_jax.outputs import join
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
+from sao_jax.rollout.decode import resolve_decode_backend
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import steps as steps_lib
@@ -65,6 +66,7 @@ class Run:
             top_k=1 if greedy else r.top_k,
             top_p=1.0 if greedy else r.top_p,
             chunk_size=r.chunk_size,
+            decode_backend=r.decode_backend,
         )
         loop_config = AgentLoopConfig(
             num_slots=r.num_slots,
@@ -94,6 +96,12 @@ def build_run(config: Config) -> Run:
     if model.moe_dispatch == "gmm" and jax.default_backend() != "tpu":
         raise ConfigError(f"model.moe_dispatch=gmm is the Pallas megablox kernel, which compiles only on a TPU "
                           f"(this machine's backend is {jax.default_backend()}): choose sorted, capacity or dense")
+    if model.attention == "splash" and jax.default_backend() != "tpu":
+        overrides["attention_kernel_interpret"] = True  # the Pallas kernel compiles only on a TPU
+    try:
+        resolve_decode_backend(config.rollout.decode_backend, key="rollout.decode_backend")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if model.pretrained:
         models.read_hf_config(model.pretrained)  # a missing folder or broken config.json: named before anything loads
         tokenizer = HFTokenizer.from_folder(model.pretrained)

@@ -1,6 +1,7 @@
 """`causal_attention` (query blocks over their causal prefix of keys) against a plain numpy softmax
-attention and against the full [time, time] einsum attention's gradients; `cached_attention` (the
-native CPU kernel at a decode step) against a plain numpy softmax over the first slots of a cache."""
+attention and against the full [time, time] einsum attention's gradients; a decode step's cached
+attention under the "native_cpu" decode backend (the CPU kernel where it takes the shapes, else
+`cached_attention`'s scatter and einsum) against a plain numpy softmax over the first slots of a cache."""
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from sao_jax import native
 from sao_jax.models.layers import AttentionLayout, cached_attention, causal_attention, dot_product_attention
+from sao_jax.rollout.decode import NativeCpuKernels
 from tests.models.test_splash_attention import qkv, reference_attention
 
 
@@ -84,10 +86,15 @@ def check(got, inputs, rtol=2e-5):
     np.testing.assert_allclose(got[0], out, rtol=rtol, atol=rtol)
 
 
+def native_cpu_attention(q, k, v, cache_kv, layout):
+    """What `Attention` runs under the "native_cpu" backend's kernels: theirs, or the model's own."""
+    return NativeCpuKernels().attention(q, k, v, cache_kv, layout) or cached_attention(q, k, v, cache_kv, layout)
+
+
 @pytest.fixture(scope="module")
 def attend():
     assert native.cached_attention_available()
-    return jax.jit(cached_attention)
+    return jax.jit(native_cpu_attention)
 
 
 @pytest.mark.parametrize(
@@ -142,7 +149,7 @@ def test_cached_attention_kernel_on_a_cache_sharded_over_eight_devices(attend):
 def test_cached_attention_without_the_kernel_runs_the_scatter_and_the_einsum(monkeypatch):
     inputs = decode_inputs(8, 80, 4, 2, 64, jnp.float32, seed=2)
     monkeypatch.setattr(native, "cached_attention_available", lambda: False)
-    lowered = jax.jit(cached_attention).lower(*inputs)
+    lowered = jax.jit(native_cpu_attention).lower(*inputs)
     assert "sao_cached_attention" not in lowered.as_text()
     check(lowered.compile()(*inputs), inputs)
 

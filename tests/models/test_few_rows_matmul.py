@@ -1,5 +1,6 @@
-"""The decode steps' projection kernel (`few_rows_matmul_cpu`) against float64 numpy products, and
-where the model uses it."""
+"""The decode steps' projection kernel (`native.decode.few_rows_matmul`) against float64 numpy products,
+and where the "native_cpu" decode backend's kernels (`rollout.decode.NativeCpuKernels`) run it in the
+model."""
 
 import jax
 import jax.numpy as jnp
@@ -7,13 +8,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sao_jax import native
 from sao_jax.models import Policy, layers, tiny_glm4_moe, tiny_qwen3_moe
-from sao_jax.models.layers import (
-    FEW_ROWS, Attention, Projection, few_rows_kernel_applies, few_rows_matmul_cpu, few_rows_matmuls,
-)  # fmt: skip
+from sao_jax.models.layers import Attention, Projection
+from sao_jax.native.decode import FEW_ROWS, few_rows_matmul, few_rows_matmul_takes
+from sao_jax.rollout.decode import NativeCpuKernels
 from sao_jax.rollout.sampler import Sampler
 
 KERNEL = "sao_few_rows_matmul"
+KERNELS = NativeCpuKernels()  # no packed experts: these tests run no MoE decode step
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 13, 32])
@@ -24,22 +27,11 @@ def test_kernel_equals_a_float64_product(rows):
     rng = np.random.default_rng(rows)
     x, w = rng.normal(size=(rows, 20)), rng.normal(size=(20, 400))
     args = (jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
-    lowered = jax.jit(few_rows_matmul_cpu).lower(*args)
+    lowered = jax.jit(few_rows_matmul).lower(*args)
     assert KERNEL in lowered.as_text()
     got = np.asarray(lowered.compile()(*args))
     want = np.asarray(args[0], np.float64) @ np.asarray(args[1], np.float64)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_kernel_has_the_gradients_of_the_product():
-    rng = np.random.default_rng(0)
-    x, w = jnp.asarray(rng.normal(size=(5, 32)), jnp.float32), jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
-
-    def grads(matmul):
-        return jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(matmul(x, w))), argnums=(0, 1)))(x, w)
-
-    for got, want in zip(grads(few_rows_matmul_cpu), grads(jnp.matmul)):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -47,9 +39,9 @@ def test_kernel_has_the_gradients_of_the_product():
     [(FEW_ROWS, 32, 16, jnp.float32, True), (FEW_ROWS + 1, 32, 16, jnp.float32, False),
      (4, 30, 16, jnp.float32, False), (4, 32, 24, jnp.float32, False), (4, 32, 16, jnp.bfloat16, False)],
 )  # fmt: skip
-def test_the_kernel_applies_to_few_float32_rows_of_whole_strips(rows, depth, width, dtype, kernel):
+def test_the_kernel_takes_few_float32_rows_of_whole_strips(rows, depth, width, dtype, kernel):
     """Up to FEW_ROWS float32 rows, depth a multiple of 4, width of 16."""
-    assert few_rows_kernel_applies(rows, depth, width, dtype) == kernel
+    assert few_rows_matmul_takes(rows, depth, width, dtype) == kernel
 
 
 @pytest.mark.parametrize("equation, x_shape, kernel_shape", [
@@ -62,31 +54,32 @@ def test_projection_of_a_decode_step_runs_the_kernel_and_equals_the_einsum(equat
     projection = Projection(equation, kernel_shape, (None,) * len(kernel_shape), None, None, config, nnx.Rngs(0))
     projection.kernel.value = jnp.asarray(rng.normal(size=kernel_shape), jnp.float32)
     graphdef, state = nnx.split(projection)
-    apply = jax.jit(lambda x: nnx.merge(graphdef, state)(x))
+    apply = jax.jit(lambda x, kernels: nnx.merge(graphdef, state)(x, kernels), static_argnums=1)
     for time in (1, 3):  # a decode step runs the kernel; a longer chunk the einsum
         x = jnp.asarray(rng.normal(size=(x_shape[0], time, *x_shape[2:])), jnp.float32)
-        lowered = apply.lower(x)
+        assert KERNEL not in apply.lower(x, layers.NO_KERNELS).as_text()  # the model as written
+        lowered = apply.lower(x, KERNELS)
         assert (KERNEL in lowered.as_text()) == (time == 1)
         want = np.einsum(equation, np.asarray(x, np.float64), np.asarray(projection.kernel.value, np.float64))
         np.testing.assert_allclose(np.asarray(lowered.compile()(x)), want, rtol=1e-5, atol=1e-5)
 
 
 def test_without_the_kernel_a_decode_projection_is_the_einsum(monkeypatch):
-    """No compiler (or another backend): the einsum's numbers, and no custom call."""
-    monkeypatch.setattr(layers.native, "few_rows_matmul_available", lambda: False)
+    """No compiler: the einsum's numbers, and no custom call."""
+    monkeypatch.setattr(native, "few_rows_matmul_available", lambda: False)
     projection = Projection("btd,dhk->bthk", (32, 2, 16), (None,) * 3, None, None, tiny_qwen3_moe(), nnx.Rngs(0))
     graphdef, state = nnx.split(projection)
     x = jnp.ones((4, 1, 32), jnp.float32)
-    lowered = jax.jit(lambda x: nnx.merge(graphdef, state)(x)).lower(x)
+    lowered = jax.jit(lambda x: nnx.merge(graphdef, state)(x, KERNELS)).lower(x)
     assert KERNEL not in lowered.as_text()
     want = np.einsum("btd,dhk->bthk", np.ones((4, 1, 32)), np.asarray(projection.kernel.value, np.float64))
     np.testing.assert_allclose(np.asarray(lowered.compile()(x)), want, rtol=1e-5, atol=1e-5)
 
 
-def test_few_rows_matmuls_is_one_kernel_call_with_the_float64_products():
+def test_several_einsums_are_one_kernel_call_with_the_float64_products():
     rng = np.random.default_rng(5)
     args = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((6, 1, 32), (32, 16), (32, 48), (32, 32))]
-    lowered = jax.jit(lambda x, *ws: few_rows_matmuls(x, ws)).lower(*args)
+    lowered = jax.jit(lambda x, *ws: KERNELS.einsums("btd,dv->btv", x, ws)).lower(*args)
     assert lowered.as_text().count(f"@{KERNEL}") == 1
     products = lowered.compile()(*args)
     assert len(products) == 3
@@ -105,7 +98,7 @@ def test_q_k_v_of_a_decode_step_are_one_kernel_call_and_equal_the_einsums(config
         if projection.bias is not None:
             projection.bias.value = jnp.asarray(rng.normal(size=projection.bias.value.shape), jnp.float32)
     graphdef, state = nnx.split(attention)
-    project_qkv = jax.jit(lambda x: nnx.merge(graphdef, state).project_qkv(x))
+    project_qkv = jax.jit(lambda x: nnx.merge(graphdef, state).project_qkv(x, KERNELS))
     for time in (1, 3):  # a decode step: one call for the three; a longer chunk: the einsums
         x = jnp.asarray(rng.normal(size=(5, time, config.hidden_size)), jnp.float32)
         lowered = project_qkv.lower(x)
@@ -129,7 +122,7 @@ def test_the_decode_loop_carries_the_side_by_side_weights_rather_than_joining_th
     keys = jax.random.split(jax.random.key(0), 2)
     budgets, stop_ids = jnp.full((2,), 4, jnp.int32), jnp.full((2, 1), -1, jnp.int32)
     params = nnx.state(policy)
-    compiled = sampler._decode_chunk.lower(params, sampler._packed_experts(params), state, keys, budgets, stop_ids,
+    compiled = sampler._decode_chunk.lower(params, sampler.backend.prepare(params), state, keys, budgets, stop_ids,
                                            16).compile()  # fmt: skip
     (loop,) = [line for line in compiled.as_text().splitlines() if " while(" in line]
     assert loop.count("f32[32,64]") == 2 and loop.count("f32[32,96]") == 1
@@ -137,12 +130,15 @@ def test_the_decode_loop_carries_the_side_by_side_weights_rather_than_joining_th
 
 def test_a_decode_step_of_the_policy_runs_every_projection_through_the_kernel():
     """Layer 0 dense (q | k | v, o, gate | up, down), layer 1 MoE (q | k | v, o), the LM head (vocab
-    112): 7 kernel calls; the logits equal the first position of a 2-token forward (XLA's dots)."""
+    112): 7 kernel calls; the logits equal the first position of a 2-token forward (XLA's dots). The
+    model as written (no kernels) runs none."""
     config = tiny_qwen3_moe(vocab_size=112, initializer_range=0.3)
     graphdef, state = nnx.split(Policy(config, rngs=nnx.Rngs(0)))
-    forward = jax.jit(lambda ids: nnx.merge(graphdef, state)(ids))
+    forward = jax.jit(lambda ids, kernels: nnx.merge(graphdef, state).forward(ids, kernels=kernels)[0],
+                      static_argnums=1)  # fmt: skip
     ids = jnp.asarray(np.random.default_rng(4).integers(0, 112, (5, 2)), jnp.int32)
-    lowered = forward.lower(ids[:, :1])
+    assert "sao_" not in forward.lower(ids[:, :1], layers.NO_KERNELS).as_text()
+    lowered = forward.lower(ids[:, :1], KERNELS)
     assert lowered.as_text().count(f"@{KERNEL}") == 7
-    np.testing.assert_allclose(np.asarray(lowered.compile()(ids[:, :1])), np.asarray(forward(ids))[:, :1],
+    np.testing.assert_allclose(np.asarray(lowered.compile()(ids[:, :1])), np.asarray(forward(ids, KERNELS))[:, :1],
                                rtol=1e-5, atol=1e-5)  # fmt: skip

@@ -22,12 +22,11 @@ from sao_jax.models.moe import (
     few_tokens_dispatch,
     gathered_dispatch,
     load_balancing_loss,
-    pack_experts,
     route,
-    routed_swiglu_cpu,
-    routed_swiglu_packed_cpu,
     sorted_dispatch,
 )
+from sao_jax.native.decode import pack_experts, routed_swiglu_packed
+from sao_jax.rollout import decode
 
 
 def _silu(x):
@@ -111,7 +110,7 @@ def test_blocked_dispatch_fits_extreme_routings(routing):
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("d, f", [(8, 5), (16, 32)])  # (16, 32): the experts' CPU kernel
+@pytest.mark.parametrize("d, f", [(8, 5), (16, 32)])
 @pytest.mark.parametrize("routing", ["balanced", "all_on_two_experts"])
 def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(routing, d, f):
     """32 tokens, top 2 of 8 experts: 16 slots per expert suffice for a balanced routing (8 each);
@@ -132,17 +131,16 @@ def test_few_tokens_dispatch_drops_nothing_with_balanced_or_piled_up_routing(rou
 
 
 def _routed_packed(x, expert_ids, weights, gate, up, down):
-    return routed_swiglu_packed_cpu(x, expert_ids, weights, pack_experts(gate, up, down))
+    return routed_swiglu_packed(x, expert_ids, weights, pack_experts(gate, up, down))
 
 
-@pytest.mark.parametrize("layout", ["stored", "packed"])
 @pytest.mark.parametrize("counts", [[0, 1, 3, 4, 5, 8, 13, 17], [0, 0, 0, 51, 0, 0, 0, 0]])
-def test_routed_swiglu_kernel_equals_the_per_token_sum(counts, layout):
+def test_routed_swiglu_kernel_equals_the_per_token_sum(counts):
     """The CPU kernel groups the assignments by expert and runs each expert's tokens 8, 4, 2 and 1
     rows at a time (0, 1, 3, 4, 5, 8, 13 and 17 assignments take every combination; 51 on one
-    expert: six blocks of 8 and 2 + 1), reading the weights as stored in panels of 8 rows (embed 32:
-    4 panels; mlp 48: 6), or packed (`pack_experts`) a 16-column strip at a time (mlp 48: 3 strips);
-    experts no token chose are skipped, and an id outside [0, experts) adds 0."""
+    expert: six blocks of 8 and 2 + 1), reading the weights packed (`pack_experts`) a 16-column
+    strip at a time (mlp 48: 3 strips); experts no token chose are skipped, and an id outside
+    [0, experts) adds 0."""
     rng = np.random.default_rng(5)
     num_experts, tokens, k, d, f = 8, 17, 3, 32, 48
     ids = np.concatenate([np.full(n, e) for e, n in enumerate(counts)])  # exactly counts[e] of expert e
@@ -154,10 +152,8 @@ def test_routed_swiglu_kernel_equals_the_per_token_sum(counts, layout):
     down = rng.normal(size=(num_experts, f, d)) * 0.3
     floats = [jnp.asarray(a, jnp.float32) for a in (x, weights, gate, up, down)]
     args = (floats[0], jnp.asarray(ids, jnp.int32), *floats[1:])
-    routed, target = {"stored": (routed_swiglu_cpu, "@sao_expert_swiglu("),
-                      "packed": (_routed_packed, "@sao_expert_swiglu_packed(")}[layout]  # fmt: skip
-    lowered = jax.jit(routed).lower(*args)
-    assert target in lowered.as_text()  # the kernel for this layout
+    lowered = jax.jit(_routed_packed).lower(*args)
+    assert "@sao_expert_swiglu_packed(" in lowered.as_text()
     got = np.asarray(lowered.compile()(*args))
     x, weights, gate, up, down = (np.asarray(a, np.float64) for a in floats)
     in_range = (ids >= 0) & (ids < num_experts)
@@ -181,20 +177,6 @@ def test_pack_experts_stores_each_matrix_strip_by_strip():
                 for c in range(width):
                     assert packed[e, offset + (c // 16) * depth * 16 + k * 16 + c % 16] == np.float32(w[k, c])
             offset += depth * width
-
-
-def test_routed_swiglu_kernel_has_the_gradients_of_dense_dispatch():
-    x, expert_ids, weights, params = _dispatch_problem(4, d=16, f=32)
-    want = _grads(dense_dispatch, x, expert_ids, weights, params)
-    got = _grads(routed_swiglu_cpu, x, expert_ids, weights, params)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
-
-
-def test_few_tokens_dispatch_runs_the_capacity_slots_for_widths_the_kernel_does_not_take():
-    x, expert_ids, weights, params = _dispatch_problem(6, d=24, f=32)  # embed 24: not a multiple of 16
-    lowered = jax.jit(few_tokens_dispatch).lower(x, expert_ids, weights, *params)
-    assert "sao_expert_swiglu" not in lowered.as_text()
 
 
 def _dispatch_problem(seed, tokens=20, num_experts=6, k=2, d=8, f=4):
@@ -418,18 +400,30 @@ def test_moe_block_is_the_same_with_every_dispatch(time):
         np.testing.assert_allclose(float(aux), float(dense_aux), rtol=1e-6, err_msg=dispatch)
 
 
+def _native_cpu_moe(graphdef, state):
+    """The MoE layer of `graphdef` / `state` under the "native_cpu" decode backend's kernels, its
+    experts packed as the sampler packs them."""
+
+    def call(x, mask):
+        block = nnx.merge(graphdef, state)
+        return block(x, mask, decode.NativeCpuKernels(block, decode.pack_experts(block)))[0]
+
+    return jax.jit(call)
+
+
 @pytest.mark.parametrize("time", [1, 2])
 def test_a_decode_step_of_many_rows_runs_the_experts_kernel(time):
-    """48 rows, 4 experts: 24 assignments an expert, past the few-token rule (4 an expert). A decode
-    step (time 1) still runs the CPU kernel, and gives the blocks' numbers; 48 rows of 2 positions
-    run the blocks."""
+    """48 rows, 4 experts: 24 assignments an expert, past the few-token rule (4 an expert). Under the
+    "native_cpu" decode backend a decode step (time 1) still runs the CPU kernel, and gives the
+    blocks' numbers; 48 rows of 2 positions run the blocks. Without its kernels no step does."""
     config = tiny_qwen3_moe(moe_dispatch="blocked", initializer_range=0.5)  # 4 experts, embed 32, mlp 16
     block = MoE(config, rngs=nnx.Rngs(3))
     x = jax.random.normal(jax.random.key(1), (48, time, 32))
     mask = jnp.ones((48, time), bool)
     graphdef, state = nnx.split(block)
-    lowered = jax.jit(lambda x, mask: nnx.merge(graphdef, state)(x, mask)[0]).lower(x, mask)
-    assert ("sao_expert_swiglu" in lowered.as_text()) == (time == 1)
+    assert "sao_" not in jax.jit(lambda x, mask: nnx.merge(graphdef, state)(x, mask)[0]).lower(x, mask).as_text()
+    lowered = _native_cpu_moe(graphdef, state).lower(x, mask)
+    assert ("sao_expert_swiglu_packed" in lowered.as_text()) == (time == 1)
     flat_params = (block.experts.gate_proj[...], block.experts.up_proj[...], block.experts.down_proj[...])
     expert_ids, weights, _ = route(block.router(x.reshape(-1, 32)), None, config)
     want = blocked_dispatch(x.reshape(-1, 32), expert_ids, weights, *flat_params).reshape(x.shape)

@@ -1,5 +1,5 @@
-"""`model.attention="splash"`: the Pallas flash kernel (interpreted on CPU) against the einsum softmax
-attention, alone, inside the policy, and sharded over 8 fake devices."""
+"""`model.attention="splash"`: the Pallas flash kernel (interpreted on CPU: `attention_kernel_interpret`)
+against the einsum softmax attention, alone, inside the policy, and sharded over 8 fake devices."""
 
 import dataclasses
 
@@ -46,7 +46,7 @@ def qkv(batch=2, time=40, heads=4, kv_heads=2, head_dim=16):
 @pytest.mark.parametrize("time", [40, 300])  # one block of 128; two blocks of 512 (padded)
 def test_splash_equals_softmax_attention_on_real_tokens(time):
     q, k, v, mask = qkv(time=time)
-    got = splash_attention(q, k, v, mask)
+    got = splash_attention(q, k, v, mask, interpret=True)
     real = np.asarray(mask)[..., None, None]
     want = reference_attention(q, k, v, mask) if time == 40 else dot_product_attention(
         q, k, v, AttentionLayout.build(mask, None, None).allowed)  # fmt: skip
@@ -62,7 +62,7 @@ def test_splash_gradients_equal_softmax_attention_gradients():
         return lambda q, k, v: jnp.sum(weights * attend(q, k, v))
 
     want = jax.jit(jax.grad(loss(lambda q, k, v: dot_product_attention(q, k, v, allowed)), argnums=(0, 1, 2)))(q, k, v)
-    got = jax.jit(jax.grad(loss(lambda q, k, v: splash_attention(q, k, v, mask)), argnums=(0, 1, 2)))(q, k, v)
+    got = jax.jit(jax.grad(loss(lambda q, k, v: splash_attention(q, k, v, mask, interpret=True)), argnums=(0, 1, 2)))(q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
@@ -71,7 +71,7 @@ def test_splash_gradients_equal_softmax_attention_gradients():
 def policies():
     config = tiny_qwen3_moe()
     xla = Policy(config, rngs=nnx.Rngs(0))
-    splash = Policy(dataclasses.replace(config, attention="splash"), rngs=nnx.Rngs(0))
+    splash = Policy(dataclasses.replace(config, attention="splash", attention_kernel_interpret=True), rngs=nnx.Rngs(0))
     return xla, splash
 
 
@@ -113,3 +113,14 @@ def test_splash_attention_sharded_over_a_mesh_matches_one_device(policies):
 def test_an_unknown_attention_is_a_clear_error():
     with pytest.raises(ModelConfigError, match="ModelConfig.attention must be one of"):
         tiny_qwen3_moe(attention="flash")
+
+
+def test_a_run_off_tpu_interprets_the_kernel():
+    """`sao-train` with `model.attention=splash` on the CPU builds the policy with the kernel in
+    interpret mode (it compiles for TPU only); the default attention leaves the flag off."""
+    from sao_jax.config import load_config
+    from sao_jax.train.loop import build_run
+
+    tiny = ["model.preset=tiny_qwen3_moe", "env.train_prompts=2", "env.eval_prompts=1"]
+    assert build_run(load_config(None, [*tiny, "model.attention=splash"])).policy.config.attention_kernel_interpret
+    assert not build_run(load_config(None, tiny)).policy.config.attention_kernel_interpret

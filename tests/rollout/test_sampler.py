@@ -11,11 +11,10 @@ import pytest
 from flax import nnx
 
 from sao_jax.data.tokenizers import CharTokenizer
-from sao_jax.models import Policy, moe, tiny_qwen3_moe
-from sao_jax import native
-from sao_jax.rollout import sampler as sampler_module
-from sao_jax.rollout.sampler import (Generation, Sampler, entropy_of, sample_from, sampling_log_probs, slot_uniforms,
-                                    stop_token_ids)  # fmt: skip
+from sao_jax.models import Policy, tiny_qwen3_moe
+from sao_jax.native import decode as native_decode
+from sao_jax.rollout.decode import slot_uniforms
+from sao_jax.rollout.sampler import Generation, Sampler, entropy_of, sample_from, sampling_log_probs, stop_token_ids
 
 VOCAB = 97
 NO_STOP = np.full((3, 2), -1, np.int32)
@@ -158,31 +157,44 @@ def test_bad_settings_are_named(policy):
         Sampler(policy, top_k=-1)
 
 
+def test_the_decode_backend_is_one_of_three_names_and_native_cpu_only_on_the_cpu(policy, monkeypatch):
+    """"auto" is "native_cpu" on the CPU (these tests' backend) and "xla" elsewhere; an unknown name,
+    or "native_cpu" on another backend, is an error naming `decode_backend`."""
+    assert Sampler(policy).backend.name == "native_cpu"
+    assert Sampler(policy, decode_backend="xla").backend.name == "xla"
+    with pytest.raises(ValueError, match=r"^decode_backend must be one of auto, xla, native_cpu \(got 'native'\)"):
+        Sampler(policy, decode_backend="native")
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert Sampler(policy).backend.name == "xla"
+    with pytest.raises(ValueError, match=r"^decode_backend=native_cpu .* backend here is tpu"):
+        Sampler(policy, decode_backend="native_cpu")
+
+
 # --- the compiled sampler ------------------------------------------------------------------------------------
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["kernel", "einsum", "kernel, blocked experts"])
+@pytest.mark.parametrize("backend", ["native_cpu", "xla", "native_cpu, blocked experts"])
 def test_logprobs_equal_full_forward_through_observation_prefill(policy, plain_sampler, params, full_logits,
-                                                                 monkeypatch, attention):  # fmt: skip
+                                                                 backend):  # fmt: skip
     """Prompts of lengths 3, 7, 1 → decode (a first chunk over an 8-slot window, in which the 7-token
     row pauses after 1 token; then chunks over 64-slot windows of the 96-slot cache) → observations
     of lengths 2, 0, 5 prefilled into the same cache → decode again. Every recorded log-prob and
     entropy equals the log-softmax of one uncached forward over the whole history; the logits after
     the observation equal re-encoding. The same keys with the rows in reverse order, decoded
     without the pause, give the same tokens (a row's draws depend only on its key and positions).
-    Both decode attentions: the CPU kernel (reads each row's filled slots in the whole cache) and
-    the einsum (over the window's slots, cut from the cache and written back after the chunk). With
-    the blocked dispatch (the same weights) every decode step runs the experts' kernel on the weights
-    the sampler packed (`moe.pack_experts`); the reference stays the sorted dispatch's forward."""
-    if attention == "einsum":
-        monkeypatch.setattr(native, "cached_attention_available", lambda: False)
-        plain_sampler = Sampler(policy, chunk_size=4)  # traced while the kernel is off
-    if attention == "kernel, blocked experts":
+    Both decode backends: "native_cpu" (the attention kernel reads each row's filled slots in the
+    whole cache) and "xla" (the einsum over the window's slots, cut from the cache and written back
+    after the chunk). With the blocked dispatch (the same weights) every "native_cpu" decode step
+    runs the experts' kernel on the weights the sampler packed (`native.decode.pack_experts`); the
+    reference stays the sorted dispatch's forward."""
+    if backend == "xla":
+        plain_sampler = Sampler(policy, chunk_size=4, decode_backend="xla")
+    if backend == "native_cpu, blocked experts":
         blocked = Policy(policy.config.replace(moe_dispatch="blocked"), rngs=nnx.Rngs(1))
         nnx.update(blocked, params)
         plain_sampler = Sampler(blocked, chunk_size=4)
-        assert len(plain_sampler._packed_experts(params)) == 1  # the one MoE layer
+        assert len(plain_sampler.backend.prepare(params)) == 1  # the one MoE layer
     rng = np.random.default_rng(1)
     prompts = [rng.integers(3, VOCAB, n) for n in (3, 7, 1)]
     budgets = np.array([6, 9, 4])
@@ -219,23 +231,26 @@ def test_logprobs_equal_full_forward_through_observation_prefill(policy, plain_s
 
 
 def test_experts_are_packed_once_per_weight_version(policy, params):
-    """The sampler packs the experts' weights (`moe.pack_experts`) when new arrays come in, and reuses
-    the packing for the same arrays (another State over them included)."""
-    sampler = Sampler(Policy(policy.config.replace(moe_dispatch="blocked"), rngs=nnx.Rngs(0)))
+    """The "native_cpu" backend packs the experts' weights (`native.decode.pack_experts`) when new
+    arrays come in, and reuses the packing for the same arrays (another State over them included);
+    "xla" packs nothing."""
+    blocked = Policy(policy.config.replace(moe_dispatch="blocked"), rngs=nnx.Rngs(0))
+    assert Sampler(blocked, decode_backend="xla").backend.prepare(params) == ()
+    backend = Sampler(blocked).backend
     packs = []
-    pack = sampler._pack_experts
-    sampler._pack_experts = lambda params: packs.append(1) or pack(params)
-    first = sampler._packed_experts(params)
-    assert sampler._packed_experts(params) is first and sampler._packed_experts(nnx.state(policy)) is first
+    pack = backend._pack
+    backend._pack = lambda params: packs.append(1) or pack(params)
+    first = backend.prepare(params)
+    assert backend.prepare(params) is first and backend.prepare(nnx.state(policy)) is first
     assert len(packs) == 1
     experts = policy.layers[1].mlp.experts
-    np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(moe.pack_experts(
+    np.testing.assert_array_equal(np.asarray(first[0]), np.asarray(native_decode.pack_experts(
         experts.gate_proj[...], experts.up_proj[...], experts.down_proj[...])))  # fmt: skip
     newer = jax.tree.map(lambda w: w * 2, params)  # the next published version
-    second = sampler._packed_experts(newer)
+    second = backend.prepare(newer)
     assert len(packs) == 2
     np.testing.assert_array_equal(np.asarray(second[0]), 2 * np.asarray(first[0]))
-    assert sampler._packed_experts(newer) is second and len(packs) == 2
+    assert backend.prepare(newer) is second and len(packs) == 2
 
 
 @pytest.mark.slow
@@ -290,9 +305,10 @@ def test_sample_from_draws_by_the_distribution_and_never_outside_its_support():
 
 
 def test_slot_uniforms_are_jax_randoms_uniform_of_the_folded_key_bit_for_bit():
-    """slot_uniforms (a written-out threefry for JAX's default keys) against jax.random.uniform of
-    jax.random.fold_in, one at a time, for 500 keys and slots from 0 to 2^31 − 1, jitted, and with
-    `jax_threefry_partitionable` off (which changes JAX's bits: slot_uniforms must follow)."""
+    """The "native_cpu" backend's slot uniforms (a written-out threefry for JAX's default keys)
+    against jax.random.uniform of jax.random.fold_in, one at a time, and against `slot_uniforms`
+    (the "xla" backend's), for 500 keys and slots from 0 to 2^31 − 1, jitted, and with
+    `jax_threefry_partitionable` off (which changes JAX's bits: the threefry must follow)."""
     keys = jax.random.split(jax.random.key(3), 500)
     slots = np.random.default_rng(3).integers(0, 2**31, 500).astype(np.int32)
     slots[:3] = [0, 1, 2**31 - 1]
@@ -300,13 +316,13 @@ def test_slot_uniforms_are_jax_randoms_uniform_of_the_folded_key_bit_for_bit():
     def expected():
         return np.array([jax.random.uniform(jax.random.fold_in(k, s), ()) for k, s in zip(keys[:60], slots[:60])])
 
-    got = np.asarray(jax.jit(slot_uniforms)(keys, jnp.asarray(slots)))
+    got = np.asarray(jax.jit(native_decode.slot_uniforms)(keys, jnp.asarray(slots)))
     assert got.dtype == np.float32 and 0 <= got.min() and got.max() < 1 and np.ptp(got) > 0.9
     np.testing.assert_array_equal(got[:60], expected())
-    reference = jax.vmap(lambda k, s: jax.random.uniform(jax.random.fold_in(k, s), ()))(keys, slots)
-    np.testing.assert_array_equal(got, np.asarray(reference))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(slot_uniforms)(keys, jnp.asarray(slots))))
     with jax.threefry_partitionable(False):
-        np.testing.assert_array_equal(np.asarray(slot_uniforms(keys[:60], jnp.asarray(slots[:60]))), expected())
+        threefry = native_decode.slot_uniforms(keys[:60], jnp.asarray(slots[:60]))
+        np.testing.assert_array_equal(np.asarray(threefry), expected())
 
 
 @pytest.mark.parametrize("vocab", [1000, 77, 32, 5])
@@ -385,7 +401,7 @@ def test_stop_tokens_budgets_and_cache_end_per_row(plain_sampler, params):
 def test_decode_windows_are_the_next_of_four_sizes_per_octave(plain_sampler, monkeypatch, kernel):
     """64, 80, 96, 112, 128, 160, …: the smallest at least as long as the longest row, capped by the
     cache; the cache length where the decode attention kernel (which reads filled slots only) runs."""
-    monkeypatch.setattr(sampler_module, "decode_kernel_applies", lambda *args: kernel)
+    monkeypatch.setattr(plain_sampler.backend, "attends_filled_slots_only", lambda *args: kernel)
     sizes = sorted({64} | {b + j * b // 4 for b in (2**k for k in range(6, 16)) for j in range(4)})
     state = plain_sampler.init_state(1, 3000)
     for longest in range(1, 3100):
