@@ -501,7 +501,7 @@ class MoE(nnx.Module):
 
     def __call__(self, x: jax.Array, token_mask: jax.Array, kernels: DecodeKernels = NO_KERNELS):
         """x: [batch, time, embed]; token_mask: [batch, time] (padding is excluded from the aux loss).
-        The routed experts run `kernels.routed_experts` where it takes them, else `dispatch`."""
+        The routed experts run `kernels.routed_experts` where it takes them, else `_dispatch`'s choice."""
         batch, time, d = x.shape
         flat = x.reshape(batch * time, d)
         bias = self.router.e_score_correction_bias
@@ -510,21 +510,22 @@ class MoE(nnx.Module):
         if out is None:
             gate, up, down = (w[...].astype(x.dtype) for w in (self.experts.gate_proj, self.experts.up_proj,
                                                                self.experts.down_proj))  # fmt: skip
-            out = self.dispatch(batch * time, token_mask)(flat, expert_ids, weights, gate, up, down)
+            out = self._dispatch(batch * time, token_mask)(flat, expert_ids, weights, gate, up, down)
         out = out.reshape(batch, time, d)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x, kernels)
         aux = load_balancing_loss(scores, expert_ids, token_mask.reshape(-1), self.config.num_experts)
         return out, aux
 
-    def dispatch(self, tokens: int, token_mask: jax.Array):
+    def _dispatch(self, tokens: int, token_mask: jax.Array):
         """The dispatch of a call over `tokens` tokens: `config.moe_dispatch`'s, with capacity slots
         sized for the call, the Pallas kernel under a mesh in a `shard_map`, and a "blocked" call of
         at most `FEW_TOKENS_PER_EXPERT` tokens per expert through `few_tokens_dispatch` — or, for one
         or two rows, `gathered_dispatch`, since copying the few chosen experts' weights reads fewer
         bytes than running all of them. Such a decode step would otherwise be a scan over about two
         tiny blocks per expert; dropless capacity slots (the same numbers) run all experts in one
-        batched matmul (timings: benchmarks/RESULTS.md, "Sampler")."""
+        batched matmul (timings: benchmarks/RESULTS.md, "Sampler"). Private because
+        `nnx.capture(method_outputs=...)` records what public methods return, and this returns a function."""
         config = self.config
         dispatch = DISPATCHES[config.moe_dispatch]
         if dispatch is capacity_dispatch:  # slots are sized per call; padding tokens take none
