@@ -122,7 +122,7 @@ SUITES: dict[str, Suite] = {
                   ("policy/masked_fraction", "DIS masked fraction"),
                   ("eval/tool_share/est", "held-out share calling the estimator")),
     ),)),
-    "online": Suite((
+    "online": Suite((Comparison(
         "success", "Online style shift: SAO vs running-mean baseline (global window 128)", "sao",
         (Row("sao", "SAO"), Row("running_mean", "running mean (global, 128)")), styles=True,
     ),), quick_overrides=("env.options.switches=[[0, cute], [2, chuunibyou], [4, classical]]",)),

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sao_jax.envs.base import STOP, Prompt, StepResult, choose_levels, new_prompt_id
+from sao_jax.envs.base import STOP, Prompt, choose_levels, new_prompt_id
 from sao_jax.envs.calculator import CalculatorEnv, ToolError, estimate, safe_eval
 
 LEVELS = (1, 2, 3, 4)
@@ -88,13 +88,8 @@ class ChainEnv(CalculatorEnv):
 
     tool_tag = "calc"
 
-    def __init__(self, *, max_turns: int | None = None, close_reward: float = 0.0, close_tolerance: float = 0.1) -> None:
+    def __init__(self, *, max_turns: int | None = None) -> None:
         super().__init__(max_turns=max_turns)
-        if not 0.0 <= close_reward < 1.0:
-            raise ValueError(f"ChainEnv: close_reward must be in [0, 1) (got {close_reward})")
-        if close_tolerance < 0.0:
-            raise ValueError(f"ChainEnv: close_tolerance must be >= 0 (got {close_tolerance})")
-        self.close_reward, self.close_tolerance = close_reward, close_tolerance
 
     @staticmethod
     def generate_prompts(rng: np.random.Generator, n: int, difficulty: int | Sequence[int] | None = None, *,
@@ -139,14 +134,6 @@ class ChainEnv(CalculatorEnv):
     def weak_demonstration(cls, prompt: Prompt) -> list[str]:
         """The coin-flipping demonstrator: `metadata["weak_tools"]` at each link (module docstring)."""
         return cls._actions(prompt, prompt.metadata["weak_tools"])
-
-    def _act(self, action: str) -> StepResult:
-        result = super()._act(action)
-        if not result.done or result.info["correct"] or not self.close_reward:
-            return result
-        value = int(self.prompt.answer)
-        close = abs(int(result.info["answer"]) - value) <= self.close_tolerance * abs(value)
-        return StepResult(result.observation, self.close_reward if close else 0.0, True, {**result.info, "close": close})
 
     def _turn_budget(self, prompt: Prompt) -> int:
         return self._max_turns_config if self._max_turns_config is not None else prompt.metadata["max_turns"]
