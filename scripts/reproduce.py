@@ -8,8 +8,10 @@
     python scripts/reproduce.py --suite open --seeds 2 --rows dis estr     # only these rows
 
 Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 4 + GRPO+DIS), table5
-(step- vs token-level GAE), online (style switches, SAO vs a global running mean), open (skip- vs
-cross-observation GAE on the guessing game; DIS vs ESTR at a matched step-0 masked fraction).
+(step- vs token-level GAE), chain (Table 4's rows and step-average GAE on the chained calculator, whose
+episodes hold 1-4 tool calls; pre-registered in results/DESIGN.md), online (style switches, SAO vs a
+global running mean), open (skip- vs cross-observation GAE on the guessing game; DIS vs ESTR at a
+matched step-0 masked fraction).
 
 Runs: seed k = 0..N−1, output_dir = OUT/<suite>/<row>/seed<k>. Resumable: a run whose summary.json
 exists is skipped, a run whose folder holds its config.yaml but no summary is resumed
@@ -106,6 +108,19 @@ SUITES: dict[str, Suite] = {
          Row("step_average", "step-average", (85.8,)),
          Row("step_last_token", "step-last-token", (87.3,))),
         paper_columns=("AIME2025 @ 400 steps",),
+    ),)),
+    "chain": Suite((Comparison(
+        "success", "Chain suite: Table 4's rows and the GAE granularity row on the chained calculator", "sao",
+        (Row("sao", "SAO (token-level GAE)", (97.3, 74.8, 29.8, 89.8)),
+         Row("no_faster_value", "w/o faster value", (95.0, 69.8, None, None)),
+         Row("no_frozen_attention", "w/o frozen attention", (90.6, 74.5, None, None)),
+         Row("running_mean", "Running-mean baseline", (79.8, 55.3, None, None)),
+         Row("grpo_dis", "GRPO+DIS (group of 8)", (None, None, 27.0, None)),
+         Row("step_average", "step-average GAE", (None, None, None, 85.8))),
+        paper_columns=("AIME2025", "BeyondAIME", "SWE-Bench Verified", "AIME2025 @ 400 steps (Table 5)"),
+        per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
+                  ("policy/masked_fraction", "DIS masked fraction"),
+                  ("eval/tool_share/est", "held-out share calling the estimator")),
     ),)),
     "online": Suite((Comparison(
         "success", "Online style shift: SAO vs running-mean baseline (global window 128)", "sao",

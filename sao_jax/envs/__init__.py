@@ -13,12 +13,14 @@ from typing import Any
 
 from sao_jax.envs.base import Environment, EnvironmentClass, Prompt, StepResult
 from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
+from sao_jax.envs.chain import ChainEnv
 from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.envs.style_shift import StyleSchedule, StyleShiftEnv
 from sao_jax.envs.tir import TIREnv
 
 ENVIRONMENTS: dict[str, EnvironmentClass] = {
     "calculator": CalculatorEnv,
+    "chain": ChainEnv,
     "guessing": GuessingEnv,
     "python_tool": PythonToolEnv,
     "style_shift": StyleShiftEnv,
