@@ -356,3 +356,23 @@ def test_quick_run_of_the_estr_row_calibrates_tau_trains_and_reports(tmp_path):
                              calibrate=reproduce.CALIBRATIONS[("open", "estr")]) == "skipped"  # fmt: skip
     report = reproduce.write_report("open", tmp_path).read_text()
     assert "| ESTR (τ calibrated) | `estr.yaml` | 1 |" in report and "τ =" in report
+
+
+@pytest.mark.slow
+def test_quick_run_of_the_chain_suites_sao_row_trains_on_chained_calls_and_reports(tmp_path):
+    """The chain suite's reference row end to end with the real trainer, on tiny budgets: episodes of
+    up to 4 tool calls, a per-step critic curve in the report."""
+    from sao_jax.train.loop import train
+
+    path = reproduce.config_file("chain", "sao")
+    tiny = [o for o in TINY if not o.startswith(("env.difficulty", "rollout.max_total_tokens"))]
+    tiny += ["env.difficulty=[1,4]"]
+    overrides = [*reproduce.quick_overrides(load_config(path, tiny), reproduce.SUITES["chain"]), *tiny]
+    output_dir = reproduce.run_dir(tmp_path, "chain", "sao", 0)
+    assert reproduce.run_one(path, output_dir, 0, overrides, train_fn=train) == "ran"
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [line for line in lines if "train/reward_mean" in line]
+    assert len(rl) == 3 and all(line["train/num_turns"] >= 1 for line in rl)
+    assert any("critic/before_updates/explained_variance" in line for line in rl)
+    report = reproduce.write_report("chain", tmp_path).read_text()
+    assert "`sao.yaml` | 1 |" in report
