@@ -56,8 +56,10 @@ def group_grad_norms(grads: Any) -> dict[str, jax.Array]:
 
 
 def fit_metrics(values: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
-    """Over the tokens of `mask`: explained variance 1 − Var[G − V] / Var[G] (0 where Var[G] = 0) and
-    mean squared error mean (V − G)² (population variances, as `losses.value_loss` reports them)."""
+    """Over the tokens of `mask`: explained variance 1 − Var[G − V] / Var[G] and mean squared error
+    mean (V − G)² (population variances, as `losses.value_loss` reports them). Where the targets are
+    constant (Var[G] ≤ 1e-6 · mean G², which float rounding leaves above 0) the explained variance is 0:
+    there is nothing to explain, and the ratio would be rounding noise over rounding noise."""
     mask = mask.astype(bool)
     count = jnp.maximum(jnp.sum(mask), 1)
 
@@ -67,5 +69,6 @@ def fit_metrics(values: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[
     error = values - targets
     target_variance = mean(jnp.square(targets - mean(targets)))
     error_variance = mean(jnp.square(error - mean(error)))
-    explained = jnp.where(target_variance > 0, 1.0 - error_variance / jnp.where(target_variance > 0, target_variance, 1.0), 0.0)
+    varies = target_variance > 1e-6 * mean(jnp.square(targets))
+    explained = jnp.where(varies, 1.0 - error_variance / jnp.where(varies, target_variance, 1.0), 0.0)
     return {"explained_variance": explained, "mse": mean(jnp.square(error))}

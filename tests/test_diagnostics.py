@@ -66,3 +66,7 @@ def test_fit_metrics_by_hand():
     assert float(fit["explained_variance"]) == pytest.approx(2 / 3)
     assert float(fit["mse"]) == pytest.approx(5 / 3)
     assert float(diagnostics.fit_metrics(values, jnp.ones_like(targets), mask)["explained_variance"]) == 0.0
+    # constant targets that float rounding leaves with a variance of ~1e-15 (returns of 1.0 summed
+    # from pieces) explain nothing, rather than −1e13
+    rounded = jnp.ones_like(targets).at[0, 0].add(1.2e-7)  # the next float32 above 1
+    assert float(diagnostics.fit_metrics(values, rounded, mask)["explained_variance"]) == 0.0
