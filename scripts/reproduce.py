@@ -118,9 +118,7 @@ SUITES: dict[str, Suite] = {
          Row("grpo_dis", "GRPO+DIS (group of 8)", (None, None, 27.0, None)),
          Row("step_average", "step-average GAE", (None, None, None, 85.8))),
         paper_columns=("AIME2025", "BeyondAIME", "SWE-Bench Verified", "AIME2025 @ 400 steps (Table 5)"),
-        # The critic's squared error, not its explained variance: a batch whose returns are nearly
-        # constant makes the latter arbitrarily negative, and one such step swamps a mean over seeds.
-        per_step=(("critic/before_updates/mse", "critic squared error before updates"),
+        per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
                   ("policy/masked_fraction", "DIS masked fraction"),
                   ("eval/tool_share/est", "held-out share calling the estimator")),
     ),)),
