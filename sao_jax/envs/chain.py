@@ -21,17 +21,22 @@ Gold demonstration (n = 3 above): ["<calc>17*3</calc>\\n", "<calc>51+4</calc>\\n
 Every link's value lies in [10, 999] and is not round (its estimate differs from it). So one estimate
 anywhere in the chain makes the final answer wrong: + and - carry the error on, * multiplies it.
 
+One operation per call, so that a chain of n links takes n calls: without the rule one call could
+hold the whole chain ("<calc>(17*3+4)*2</calc>") and the episode would be one decision again.
+
 Weak demonstration: at each link the weaker demonstrator picks the estimator or the exact tool by an
 independent fair coin, drawn when the prompt is generated (`metadata["weak_tools"]`), and copies
 whatever the tool showed into the next call and into the answer. Per link rather than "the
-estimator at every link": a policy fitted to an all-or-nothing demonstrator learns to repeat its
-first choice (the earlier tags are in its context), which leaves RL one decision per episode, as on
+estimator at every link": a policy fitted to an all-or-nothing demonstrator can read its own earlier
+tags, so it would learn to repeat its first choice, which leaves RL one decision per episode, as on
 the calculator. Independent coins leave n decisions, each wrong about half the time and each fatal,
-so a warm start fitted to them solves a chain of n links about 2^-n of the time — success falls
-with n in one prompt stream, and a baseline that knows the state (an estimate already called) can
-tell a doomed episode from a live one. The coin sometimes picks the exact tool at every link, so
-the weak demonstration earns 1 on about 2^-n of the prompts; the chain suite trains SFT on the weak
-demonstrator alone (`sft.weak_demonstration_fraction: 1.0`, `configs/ablations/chain/sao.yaml`).
+so a warm start fitted to them solves a chain of n links at most about 2^-n of the time — success
+falls with n in one prompt stream, and a critic that reads the state (an estimate already called)
+can tell a doomed episode from a live one. The coin sometimes picks the exact tool at every link, so
+the weak demonstration earns 1 on about 2^-n of the prompts. The chain suite trains SFT on the weak
+demonstrator alone (`sft.weak_demonstration_fraction: 1.0`, `configs/ablations/chain/sao.yaml`): a
+mix with the gold one at share 1 - f would put the all-exact path at 1 - f + f·2^-n, flattening the
+fall with n.
 
 Difficulty n = the number of links (1-4), mixed in one stream by `env.difficulty`. Link 1 is
 "x OP y" with x, y in 1-99; link k > 1 is "PREV OP y", y in 1-99 for + and -, 2-9 for *; operators
