@@ -91,9 +91,8 @@ class ChainEnv(CalculatorEnv):
     `tools` (on the answer: every tag called, in order), `answer`, `correct`, `out_of_turns`.
     """
 
-    tool_tag = "calc"
-
     def __init__(self, *, max_turns: int | None = None) -> None:
+        """`max_turns` None: each prompt's own budget, its links + 2 (`metadata["max_turns"]`)."""
         super().__init__(max_turns=max_turns)
 
     @staticmethod

@@ -127,13 +127,6 @@ def as_tuples(results):
 # ------------------------------------------------------------------------------------- the tests
 
 
-def test_generator_is_deterministic_per_seed():
-    a, b, c = prompts(seed=3), prompts(seed=3), prompts(seed=4)
-    assert a == b
-    assert [p.text for p in a] != [p.text for p in c]
-    assert len({p.id for p in a}) == len(a)
-
-
 def test_prompts_follow_the_documented_shapes():
     for p in prompts(n=800):
         links, values, asked = ref_parse(p.text)

@@ -23,9 +23,7 @@ def game(lo, hi, hidden, max_turns=None):
                   metadata={"lo": lo, "hi": hi, "max_turns": budget})
 
 
-def test_generator_is_deterministic_and_covers_the_difficulty_mix():
-    assert prompts(seed=5) == prompts(seed=5)
-    assert prompts(seed=5) != prompts(seed=6)
+def test_generator_covers_the_difficulty_mix():
     mix = prompts(n=600)
     counts = collections.Counter(p.difficulty for p in mix)
     assert set(counts) == {1, 2, 3} and min(counts.values()) > 150

@@ -127,9 +127,8 @@ def test_demonstrations_earn_reward_one_and_cover_the_styles_evenly():
     assert set(default_styles) == set(STYLES) and min(default_styles.values()) > 15
 
 
-def test_generator_is_deterministic_and_difficulty_is_the_number_of_topics():
+def test_difficulty_is_the_number_of_topics():
     a = StyleShiftEnv.generate_prompts(np.random.default_rng(1), 300)
-    assert a == StyleShiftEnv.generate_prompts(np.random.default_rng(1), 300)
     counts = collections.Counter(p.difficulty for p in a)
     assert set(counts) == {1, 2, 3} and min(counts.values()) > 70
     for p in a:
