@@ -44,6 +44,18 @@ def tool_metrics(trajectories: list[Trajectory], prefix: str, env_cls) -> dict[s
             for name in env_cls.tool_names()}  # fmt: skip
 
 
+def difficulty_metrics(trajectories: list[Trajectory], prompts, prefix: str) -> dict[str, float]:
+    """Success rate (outcome reward ≥ 1) per difficulty level, `{prefix}/success_rate/level_<d>`, when
+    the prompts span more than one level (e.g. the chain task's 1-4 links): where the errors left are."""
+    level = {p.id: p.difficulty for p in prompts}
+    levels = sorted({level[t.prompt_id] for t in trajectories})
+    if len(levels) < 2:
+        return {}
+    return {f"{prefix}/success_rate/level_{d}": float(np.mean([t.outcome_reward >= 1.0 for t in trajectories
+                                                               if level[t.prompt_id] == d]))
+            for d in levels}  # fmt: skip
+
+
 def style_metrics(trajectories: list[Trajectory], schedule) -> dict[str, Any]:
     """Online experiment (style_shift): the rewarded style and each style's share of the trajectories."""
     if schedule is None:
@@ -57,7 +69,8 @@ def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
     """Held-out success (outcome reward ≥ 1) with a fixed evaluation key: greedy decoding when
     `env.eval_greedy`, else the rollout sampling settings (temperature 1 by default)."""
     trajectories = eval_loop.rollout((weights, 0), run.eval_prompts, jax.random.key(0))
-    return rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval", run.env_cls)
+    return (rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval", run.env_cls)
+            | difficulty_metrics(trajectories, run.eval_prompts, "eval"))
 
 
 def evaluate_checkpoint(config: Config) -> dict[str, Any]:

@@ -28,6 +28,16 @@ def test_tool_share_counts_answered_trajectories_that_called_each_tool():
     assert evaluation.tool_metrics(trajectories, "train", GuessingEnv) == {}  # an environment without tools
 
 
+def test_success_per_difficulty_level_by_hand():
+    prompts = [types.SimpleNamespace(id=i, difficulty=d) for i, d in enumerate([1, 1, 2, 4])]
+    reward = {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.5}  # 0.5 is not a success
+    trajectories = [types.SimpleNamespace(prompt_id=i, outcome_reward=reward[i]) for i in (3, 2, 1, 0)]
+    assert evaluation.difficulty_metrics(trajectories, prompts, "eval") == {
+        "eval/success_rate/level_1": 0.5, "eval/success_rate/level_2": 1.0, "eval/success_rate/level_4": 0.0}
+    one_level = [types.SimpleNamespace(id=0, difficulty=3)]
+    assert evaluation.difficulty_metrics(trajectories[3:], one_level, "eval") == {}  # nothing beyond the overall rate
+
+
 def test_calculator_episodes_report_the_tools_they_called():
     prompt = CalculatorEnv.generate_prompts(np.random.default_rng(0), 1)[0]
     env = CalculatorEnv()
