@@ -296,6 +296,13 @@ class TrainConfig:
     # logits, each piece made and dropped (0 = the whole sequence's [time, vocab] logits at once).
     micro_batch_size: int = ranged(0, NON_NEGATIVE)
     logit_chunk: int = ranged(0, NON_NEGATIVE)
+    # The advantage-quality probe (sao_jax.train.advantage_probe): every `probe_every` RL steps, one
+    # rollout of each of `probe_prompts` fixed training prompts, and each of its decisions' advantage
+    # set against a Monte-Carlo estimate from `probe_continuations` rollouts continued from it. 0 = off:
+    # each probe costs about probe_prompts × turns × probe_continuations extra rollouts.
+    probe_every: int = ranged(0, NON_NEGATIVE)
+    probe_prompts: int = ranged(16, AT_LEAST_1)
+    probe_continuations: int = ranged(8, AT_LEAST_1)
     wandb: bool = False  # also log every metrics line to Weights & Biases (needs `pip install wandb`)
     wandb_project: str = "sao_jax"
 
@@ -359,6 +366,14 @@ class Config:
         if 0 < rollouts < batch:
             out.append(("critic.pretrain_rollouts", f"must be 0 or at least train.batch_size={batch}, one value "
                                                     f"pretraining batch (got {rollouts})"))  # fmt: skip
+        if self.train.probe_every:
+            estimator = ADVANTAGE_ESTIMATORS.get(self.advantage.estimator)
+            if estimator is not None and estimator.grouped:
+                out.append(("train.probe_every", f"the advantage probe needs an estimator that gives one rollout an "
+                                                 f"advantage; {self.advantage.estimator} compares a group"))  # fmt: skip
+            if self.advantage.gamma != 1.0:
+                out.append(("train.probe_every", f"the advantage probe's Monte-Carlo estimate is undiscounted: it needs "
+                                                 f"advantage.gamma = 1 (got {self.advantage.gamma})"))  # fmt: skip
         k = self.critic.updates_per_policy_update
         if self.loss.value_clip_eps is not None and k < 2:
             out.append(("loss.value_clip_eps", f"needs critic.updates_per_policy_update >= 2: the clip is around the "

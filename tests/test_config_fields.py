@@ -216,6 +216,8 @@ ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "train.keep_checkpoints": "the Checkpointer's retention (train): tests/test_checkpoint.py",
     "train.max_staleness": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
     "train.queue_capacity": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
+    **{f"train.probe_{name}": "the advantage probe (train.advantage_probe): tests/train/test_advantage_probe.py"
+       for name in ("every", "prompts", "continuations")},
     "train.wandb": "the metrics writer's W&B sink (train): tests/test_wandb.py",
     "train.wandb_project": "the metrics writer's W&B sink (train): tests/test_wandb.py",
 }

@@ -31,7 +31,7 @@ from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster, ProcessRollouts
 
 # Stream ids folded into the seed so each consumer of randomness has its own stream.
-SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM = range(6)
+SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM, ADVANTAGE_PROBE_STREAM = range(7)
 
 
 @dataclasses.dataclass
@@ -58,7 +58,8 @@ class Run:
         actions = (self.env_cls.weak_demonstration if weak else self.env_cls.demonstration)(prompt)
         return actions if self.chat_format is None else self.env_factory(prompt).chat_actions(actions)
 
-    def agent_loop(self, *, greedy: bool) -> AgentLoop | ProcessRollouts:
+    def agent_loop(self, *, greedy: bool, env_factory=None) -> AgentLoop | ProcessRollouts:
+        """The rollout settings' agent loop (`greedy`: top-k 1); `env_factory` replaces `self.env_factory`."""
         r = self.config.rollout
         sampler = Sampler(
             self.policy,
@@ -76,7 +77,7 @@ class Run:
             add_bos=self.chat_format is None,  # chat templates write their own start tokens
             lockstep=self.config.train.mode == "sync",
         )
-        return self.cluster.rollouts(AgentLoop(sampler, self.tokenizer, self.env_factory, loop_config))
+        return self.cluster.rollouts(AgentLoop(sampler, self.tokenizer, env_factory or self.env_factory, loop_config))
 
 
 def build_run(config: Config) -> Run:

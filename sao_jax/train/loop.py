@@ -30,6 +30,7 @@ from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_afte
 from sao_jax.outputs import OutputMirror, check_writable, free_name, is_url
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
+from sao_jax.train.advantage_probe import AdvantageProbe
 from sao_jax.train.batches import LockstepBatches, StreamingBatches
 from sao_jax.train.build import INIT_STREAM, Run, build_run, checkpoint_dir, make_optimizers, policy_weights
 from sao_jax.train.evaluation import evaluate, rollout_metrics, run_summary, style_metrics, tool_metrics
@@ -148,6 +149,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
               else LockstepBatches(run, rollout_loop))  # fmt: skip
     reads_reference = ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
     schedule = run.env_kwargs.get("schedule")  # style_shift's target-style schedule, moved per step
+    probe = AdvantageProbe(run, graphs) if train_cfg.probe_every else None
 
     def gold_tokens(trajectory: Trajectory):
         # (ours) TRACE's gold answer: the final action of the prompt's demonstration, e.g. "A: 42\n",
@@ -182,6 +184,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             if evaluates:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))
                 last_eval = line["eval/success_rate"]
+            if probe is not None and step % train_cfg.probe_every == 0:
+                line |= probe(state, policy_weights(state, graphs), step)
             written = writer.write(step, line)
             bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
                             eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip

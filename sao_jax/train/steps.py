@@ -383,6 +383,20 @@ def critic_updates(value_update: Update, times: int, graphs: Graphs, config: Con
 _FIT_METRICS = ("explained_variance", "mse")
 
 
+def estimator_advantages(state: TrainState, batch: TrajectoryBatch, graphs: Graphs, config: Config):
+    """(advantages [batch, time], values or None, new baseline state) of the configured estimator,
+    a critic-based one (GAE with λ_policy over the current critic's values) or an outcome one (one
+    advantage per sequence on its action tokens). Not TRACE, which reads a `TraceBatch`."""
+    name = config.advantage.estimator
+    estimator = adv.ADVANTAGE_ESTIMATORS[name]
+    if estimator.gae is not None:
+        values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
+        advantages, _ = estimator.gae(batch, values, config.advantage.gamma, policy_lambda(batch, config))
+        return advantages, values, state.baseline
+    per_sequence, baseline = _outcome_advantages(name, batch, state.baseline, config)
+    return jnp.where(batch.action_mask, per_sequence[:, None], 0.0), None, baseline
+
+
 def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
     """Advantages with λ_policy from the current critic (or a critic-free baseline), one policy step."""
     name = config.advantage.estimator
@@ -397,17 +411,14 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
         baseline = state.baseline
         extra: Metrics = {}
         critic_fit: Metrics = {}
+        if estimator.reference:
+            advantages, extra = _trace_advantages(state, batch, graphs, config)
+        else:
+            advantages, values, baseline = estimator_advantages(state, batch, graphs, config)
         if estimator.gae is not None:
-            values, _ = critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
-            advantages, _ = estimator.gae(batch, values, config.advantage.gamma, policy_lambda(batch, config))
             # The critic as this update reads it (after its K updates), against its own λ_critic targets.
             _, targets = estimator.gae(batch, values, config.advantage.gamma, config.advantage.lam_critic)
             critic_fit = diagnostics.fit_metrics(values, targets, estimator.value_mask(batch))
-        elif estimator.reference:
-            advantages, extra = _trace_advantages(state, batch, graphs, config)
-        else:
-            per_sequence, baseline = _outcome_advantages(name, batch, baseline, config)
-            advantages = jnp.where(batch.action_mask, per_sequence[:, None], 0.0)
 
         def loss_fn(params):
             logp, aux_loss = policy_logprobs(graphs.policy, params, state.policy_buffers, batch, config)
