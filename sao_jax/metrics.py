@@ -145,7 +145,8 @@ def truncate_after(path: str | Path, step: int) -> int:
 # each, on a log scale: the gradient norms of the module groups span decades).
 PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...] = (
     ("reward.png", "Reward and held-out success",
-     (("train/reward_mean", "train reward"), ("eval/success_rate", "held-out success"))),
+     (("train/reward_mean", "train reward"), ("eval/success_rate", "held-out success"),
+      ("eval/success_rate/", "held-out success per difficulty level"))),
     ("critic.png", "Critic", (("critic/value_loss", "value loss"),
                               (("critic/before_updates/explained_variance", "critic/after_updates/explained_variance"),
                                "explained variance before / after its K updates"))),
@@ -155,6 +156,9 @@ PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...
      (("policy/masked_fraction", "masked fraction"), ("policy/masked_entropy_mean", "masked-token entropy"))),
     ("tools.png", "Tool choice (calculator: the estimator is the weak demonstrator's tool)",
      (("train/tool_share/est", "estimator share, train"), ("eval/tool_share/est", "estimator share, held-out"))),
+    ("advantage_probe.png", "Advantage quality: the estimator's advantage at each decision against Monte-Carlo Q − V",
+     (("probe/advantage_correlation", "correlation"), (("probe/advantage_rmse", "probe/mc_advantage_std"),
+                                                        "RMSE, and the spread of the Monte-Carlo advantages"))),
     ("staleness.png", "Asynchrony", (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
 )  # fmt: skip
 
@@ -190,7 +194,7 @@ def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None =
                 steps, values = zip(*points)
                 ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3,
                         label=key.rsplit("/", 1)[-1] if len(keys) > 1 else None)  # fmt: skip
-            if isinstance(metrics, str) and metrics.endswith("/"):
+            if isinstance(metrics, str) and metrics.endswith("grad_norm/"):
                 ax.set_yscale("symlog", linthresh=1e-6)  # a frozen group's norm is exactly 0
             if len(keys) > 1:
                 ax.legend(fontsize=7)

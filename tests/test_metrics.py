@@ -114,3 +114,12 @@ def test_a_prefix_panel_draws_every_group_and_a_tuple_panel_each_key(tmp_path):
                                                                    "critic/grad_norm/experts"]  # fmt: skip
     assert metrics_lib._panel_keys(("critic/before_updates/explained_variance", "critic/after_updates/explained_variance"),
                                    lines) == ["critic/before_updates/explained_variance"]  # fmt: skip
+
+
+def test_the_probe_and_per_level_success_have_plots_when_logged(tmp_path):
+    lines = [{"step": s, "eval/success_rate": 0.5, "eval/success_rate/level_1": 0.8, "eval/success_rate/level_2": 0.2,
+              "probe/advantage_correlation": 0.1 * s, "probe/advantage_rmse": 0.3, "probe/mc_advantage_std": 0.4}
+             for s in range(3)]  # fmt: skip
+    assert {p.name for p in plot_run(tmp_path, lines)} == {"reward.png", "advantage_probe.png"}
+    assert metrics_lib._panel_keys("eval/success_rate/", lines) == ["eval/success_rate/level_1",
+                                                                    "eval/success_rate/level_2"]  # fmt: skip
