@@ -792,9 +792,12 @@ def plot_grad_norms(comparison: Comparison, runs: Mapping[str, Mapping[int, list
             ax.legend(fontsize=7)
         for ax in line_of_axes[len(keys):]:
             ax.axis("off")
-    note = f"; 0 at every step of every run: {', '.join(zero)}" if zero else ""
-    fig.suptitle(f"{comparison.title} — gradient L2 norm per module group, mean over seeds, log scale{note}",
-                 fontsize=10)  # fmt: skip
+    title = f"{comparison.title}\ngradient L2 norm (total, per module group): mean over seeds per RL step, log scale"
+    zero_groups = {model: [k.split("/")[-1] for k in zero if k.startswith(model)] for model in ("critic", "policy")}
+    if zero:
+        title += "\n0 at every step of every run, not drawn: " + "; ".join(
+            f"{model} {', '.join(groups)}" for model, groups in zero_groups.items() if groups)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path = folder / f"{comparison.slug}_grad_norms.png"
     fig.savefig(path, dpi=100)
