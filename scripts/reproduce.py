@@ -624,8 +624,8 @@ def diagnostic_columns(levels: Sequence[str] = ()) -> list[Diagnostic]:
                    exact_zero=True),
         Diagnostic("advantage mean", "the mean over RL steps of the advantage's mean over action tokens",
                    lambda lines, _: rl_mean(lines, "policy/advantage_mean"), spec=".3f"),
-        Diagnostic("estimator share % (last eval)", "at the last evaluation, the share of held-out episodes that "
-                   "called the estimator tool", lambda lines, _: at_last_eval(lines, "eval/tool_share/est"),
+        Diagnostic("estimator share % (last eval)", "at the last evaluation, the share of answered held-out "
+                   "episodes that called the estimator tool", lambda lines, _: at_last_eval(lines, "eval/tool_share/est"),
                    scale=100.0, spec=".1f"),
     ]  # fmt: skip
     for key in levels:
