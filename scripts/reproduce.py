@@ -26,9 +26,16 @@ Report (from metrics.jsonl files alone): per row, over seeds, mean ± 95 % CI
 (t-distribution, n−1 degrees of freedom) of the final held-out success (the last `eval/success_rate`),
 its maximum, and the area under the held-out success curve normalised by the steps it spans
 (= the time-average success, ours); the paper's numbers beside them, and whether the row's direction
-against the reference row (SAO's design) agrees with the paper's. Plots: held-out success vs step
-with 95 % CI bands; online: per-step share of each style with the switches marked, and steps to
-realign; open (b): masked fraction and masked-token entropy per step, DIS vs ESTR.
+against the reference row (SAO's design) agrees with the paper's; the paired difference to the
+reference row with its 95 % interval, and whether the interval excludes 0 at 95 % and at 99 %. Per
+seed: held-out success at the first and last evaluation, and the AUC. Mechanism diagnostics, from
+whichever keys the runs log (mean ± 95 % CI over seeds of one statistic per run): the critic's
+explained variance before its updates (the run's median after the critic warmup) and at the end of
+value pretraining, the critic's attention and expert gradient norms, the masked fraction, the
+advantage mean, and at the last evaluation the estimator share and the success per difficulty level.
+Plots: held-out success vs step with 95 % CI bands; gradient norms per module group (critic and
+policy) per step, log scale; online: per-step share of each style with the switches marked, and steps
+to realign; open (b): masked fraction and masked-token entropy per step, DIS vs ESTR.
 """
 
 from __future__ import annotations
@@ -56,6 +63,16 @@ SUCCESS_KEY = "eval/success_rate"
 TARGET_STYLE_KEY = "train/target_style"
 STYLE_SHARE_PREFIX = "train/style_share/"
 ESTR_CALIBRATION_FILE = "estr_calibration.json"
+# Mechanism diagnostics (`sao_jax.diagnostics`, `sao_jax.train`): the critic's fit to its targets on a
+# step's fresh batch before its updates; the warm-start stage that pretrains the critic on the starting
+# policy's rollouts (`warm_start.py`, lines at step 0 with `"stage": "value_pretrain"`, one per epoch);
+# gradient norms per module group, `critic/grad_norm/<group>` and `policy/grad_norm/<group>`.
+EV_BEFORE_KEY = "critic/before_updates/explained_variance"
+EV_KEY = "critic/explained_variance"
+VALUE_PRETRAIN_STAGE = "value_pretrain"
+CRITIC_WARMUP_KEY = "train/critic_warmup"
+GRAD_NORM_GROUPS = ("attention", "experts", "router", "value_head", "dense_mlp", "embeddings_norms")
+LEVEL_PREFIX = SUCCESS_KEY + "/level_"  # held-out success per difficulty level (`difficulty_metrics`)
 
 
 # ----------------------------------------------------------------------------------- the suites
@@ -310,21 +327,49 @@ T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 
          26: 2.056, 27: 2.052, 28: 2.048, 29: 2.045, 30: 2.042, 40: 2.021, 60: 2.000, 120: 1.980}  # fmt: skip
 
 
-def t_critical_95(df: int) -> float:
+# Two-sided 99 % critical values t_{0.995, df}, the same tabled dfs and the same rounding down.
+T_995 = {1: 63.657, 2: 9.925, 3: 5.841, 4: 4.604, 5: 4.032, 6: 3.707, 7: 3.499, 8: 3.355, 9: 3.250,
+         10: 3.169, 11: 3.106, 12: 3.055, 13: 3.012, 14: 2.977, 15: 2.947, 16: 2.921, 17: 2.898,
+         18: 2.878, 19: 2.861, 20: 2.845, 21: 2.831, 22: 2.819, 23: 2.807, 24: 2.797, 25: 2.787,
+         26: 2.779, 27: 2.771, 28: 2.763, 29: 2.756, 30: 2.750, 40: 2.704, 60: 2.660, 120: 2.617}  # fmt: skip
+T_TABLES = {0.95: T_975, 0.99: T_995}
+
+
+def t_critical(df: int, level: float = 0.95) -> float:
+    """t_{(1+level)/2, df} for a two-sided interval at `level` (0.95 or 0.99), from the tables above."""
     if df < 1:
-        raise ValueError(f"t_critical_95: degrees of freedom must be >= 1 (got {df})")
-    return T_975[max(k for k in T_975 if k <= df)]
+        raise ValueError(f"t_critical: degrees of freedom must be >= 1 (got {df})")
+    table = T_TABLES[level]
+    return table[max(k for k in table if k <= df)]
+
+
+def t_critical_95(df: int) -> float:
+    return t_critical(df, 0.95)
+
+
+def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """(mean, half-width) of the t-interval at `level`: x̄ ± t_{(1+level)/2, n−1} · s/√n, s the sample
+    standard deviation (n−1 in the denominator). Half-width NaN for a single value."""
+    x = np.asarray(values, float)
+    if x.size == 0:
+        raise ValueError("mean_ci: no values")
+    if x.size == 1:
+        return float(x[0]), math.nan
+    return float(x.mean()), t_critical(x.size - 1, level) * float(x.std(ddof=1)) / math.sqrt(x.size)
 
 
 def mean_ci95(values: Sequence[float]) -> tuple[float, float]:
-    """(mean, half-width) of the 95 % t-interval: x̄ ± t_{0.975, n−1} · s/√n, s the sample standard
-    deviation (n−1 in the denominator). Half-width NaN for a single value."""
-    x = np.asarray(values, float)
-    if x.size == 0:
-        raise ValueError("mean_ci95: no values")
-    if x.size == 1:
-        return float(x[0]), math.nan
-    return float(x.mean()), t_critical_95(x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    """`mean_ci` at 95 %: x̄ ± t_{0.975, n−1} · s/√n."""
+    return mean_ci(values, 0.95)
+
+
+def excludes_zero(values: Sequence[float], level: float) -> bool | None:
+    """Whether the t-interval at `level` of the values' mean lies strictly on one side of 0
+    (|x̄| > half-width); None for fewer than two values (no interval)."""
+    if len(values) < 2:
+        return None
+    mean, half = mean_ci(values, level)
+    return abs(mean) > half
 
 
 def eval_curve(lines: Sequence[Mapping[str, Any]]) -> tuple[np.ndarray, np.ndarray]:
@@ -355,6 +400,52 @@ def per_step(runs: Sequence[Sequence[Mapping[str, Any]]], key: str) -> tuple[np.
     return np.asarray(steps, float), mean, half
 
 
+def rl_lines(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The lines of RL steps: a numeric `step` ≥ 1 and no `stage` key. The warm-start stages (SFT,
+    value pretraining) write theirs at step 0 with a `stage`; the evaluation before RL is step 0."""
+    return [line for line in lines if "stage" not in line and isinstance(line.get("step"), (int, float))
+            and line["step"] >= 1]  # fmt: skip
+
+
+def critic_warmup_steps(lines: Sequence[Mapping[str, Any]], config: Mapping[str, Any] | None = None) -> int:
+    """The run's critic-only warmup steps: `critic.warmup_steps` of its config.yaml; without one, the
+    last RL step whose line has `train/critic_warmup` set (0 if none)."""
+    if config is not None and (config.get("critic") or {}).get("warmup_steps") is not None:
+        return int(config["critic"]["warmup_steps"])
+    return int(max((line["step"] for line in rl_lines(lines) if line.get(CRITIC_WARMUP_KEY)), default=0))
+
+
+def median_after_warmup(lines: Sequence[Mapping[str, Any]], key: str, warmup_steps: int) -> float | None:
+    """Median of `key` over the RL steps after the critic warmup (step > `warmup_steps`) that log it;
+    None if none does."""
+    values = [line[key] for line in rl_lines(lines) if line["step"] > warmup_steps and line.get(key) is not None]
+    return float(np.median(values)) if values else None
+
+
+def rl_mean(lines: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """Mean of `key` over the RL steps that log it (critic warmup steps included); None if none does."""
+    values = [line[key] for line in rl_lines(lines) if line.get(key) is not None]
+    return float(np.mean(values)) if values else None
+
+
+def last_stage_value(lines: Sequence[Mapping[str, Any]], stage: str, key: str) -> float | None:
+    """`key` on the last line of warm-start `stage` that logs it (e.g. the last value-pretraining
+    epoch's critic explained variance); None if none does."""
+    values = [line[key] for line in lines if line.get("stage") == stage and line.get(key) is not None]
+    return float(values[-1]) if values else None
+
+
+def at_last_eval(lines: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    """`key` on the line of the last evaluation (the highest step logging `eval/success_rate`, the last
+    such line of that step); None if that line lacks it."""
+    evals = [line for line in lines if line.get(SUCCESS_KEY) is not None]
+    if not evals:
+        return None
+    last = max(line["step"] for line in evals)
+    value = [line for line in evals if line["step"] == last][-1].get(key)
+    return None if value is None else float(value)
+
+
 def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold: float = 0.5) -> list[dict[str, Any]]:
     """Steps to realign after each switch of the rewarded style (ours): after a switch at step s to
     style S, the first logged step t ≥ s from which S's share is ≥ `threshold` on `hold` consecutive
@@ -377,15 +468,32 @@ def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold:
 # ------------------------------------------------------------------------------------- the report
 
 
+def finished_runs(out: Path, suite: str, row: str) -> dict[int, Path]:
+    """{seed: run folder} of the finished runs (summary.json and metrics.jsonl written) of one row;
+    empty when the row's folder is absent."""
+    runs = {}
+    for folder in sorted((Path(out) / suite / row).glob("seed*")):
+        if (folder / "summary.json").exists() and (folder / "metrics.jsonl").exists():
+            runs[int(folder.name[len("seed"):])] = folder
+    return runs
+
+
 def load_runs(out: Path, suite: str, row: str) -> dict[int, list[dict[str, Any]]]:
     """{seed: metrics lines} of the finished runs (summary.json written) of one row."""
     from sao_jax.metrics import read_metrics
 
-    runs = {}
-    for folder in sorted((Path(out) / suite / row).glob("seed*")):
-        if (folder / "summary.json").exists() and (folder / "metrics.jsonl").exists():
-            runs[int(folder.name[len("seed"):])] = read_metrics(folder / "metrics.jsonl")
-    return runs
+    return {seed: read_metrics(folder / "metrics.jsonl") for seed, folder in finished_runs(out, suite, row).items()}
+
+
+def load_warmups(out: Path, suite: str, row: str, runs: Mapping[int, list]) -> dict[int, int]:
+    """{seed: critic warmup steps} of one row's finished runs (`critic_warmup_steps`, from each run's
+    config.yaml where it has one)."""
+    warmups = {}
+    for seed, folder in finished_runs(out, suite, row).items():
+        path = folder / "config.yaml"
+        config = yaml.safe_load(path.read_text()) if path.exists() else None
+        warmups[seed] = critic_warmup_steps(runs.get(seed, []), config if isinstance(config, Mapping) else None)
+    return warmups
 
 
 def _fmt(mean: float, half: float, scale: float = 100.0) -> str:
@@ -425,12 +533,23 @@ def direction(comparison: Comparison, row: Row, ours: Mapping[str, Mapping[int, 
     return f"{verdict} (Δ CI includes 0)" if abs(mean) <= half else verdict
 
 
+def robustness(row: Mapping[int, float], reference: Mapping[int, float], scale: float = 100.0) -> str:
+    """Whether the paired difference row − reference (by shared seed) has a t-interval that excludes 0
+    at 95 % and at 99 % ("yes / no"), and the 99 % half-width; "—" below two shared seeds."""
+    differences = [row[s] - reference[s] for s in sorted(set(row) & set(reference))]
+    if len(differences) < 2:
+        return "—"
+    at95, at99 = ("yes" if excludes_zero(differences, level) else "no" for level in (0.95, 0.99))
+    return f"{at95} / {at99} (99 %: ± {scale * mean_ci(differences, 0.99)[1]:.1f})"
+
+
 def comparison_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
     finals = {name: {seed: run_scores(metrics)["final"] for seed, metrics in by_seed.items()}
               for name, by_seed in runs.items() if by_seed}  # fmt: skip
     reference_label = next(r.label for r in comparison.rows if r.name == comparison.reference)
     header = ["row", "config", "seeds", "final success %", "max success %", "AUC %",
-              f"Δ final vs {reference_label} (paired)", *(f"paper {c}" for c in comparison.paper_columns)]  # fmt: skip
+              f"Δ final vs {reference_label} (paired)", "Δ excludes 0 at 95 % / 99 %",
+              *(f"paper {c}" for c in comparison.paper_columns)]  # fmt: skip
     if comparison.paper_columns:
         header.append("direction vs paper")
     table = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -442,13 +561,128 @@ def comparison_table(comparison: Comparison, runs: Mapping[str, Mapping[int, lis
             mean, half, n = paired_difference(finals[row.name], finals.get(comparison.reference, {}))
             cells.append("—" if row.name == comparison.reference or n == 0
                          else f"{100 * mean:+.1f}" + (" (1 seed)" if n == 1 else f" ± {100 * half:.1f}"))  # fmt: skip
+            cells.append("—" if row.name == comparison.reference
+                         else robustness(finals[row.name], finals.get(comparison.reference, {})))  # fmt: skip
         else:
-            cells += ["not run"] * 3 + ["—"]
+            cells += ["not run"] * 3 + ["—", "—"]
         cells += ["—" if p is None else f"{p:.1f}" for p in row.paper]
         if comparison.paper_columns:
             cells.append("—" if row.name == comparison.reference else direction(comparison, row, finals))
         table.append("| " + " | ".join(cells) + " |")
     return table
+
+
+def per_seed_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
+    """One line per row, one column per seed: held-out success at the first evaluation → the last, and
+    the AUC (`run_scores`), in %."""
+    seeds = sorted({seed for by_seed in runs.values() for seed in by_seed})
+    if not seeds:
+        return []
+    lines = ["Per seed: held-out success % at the first evaluation → at the last (start→end), and AUC %:", "",
+             "| row | " + " | ".join(f"seed {k}" for k in seeds) + " |", "|" + "---|" * (len(seeds) + 1)]  # fmt: skip
+    for row in comparison.rows:
+        cells = [row.label]
+        for seed in seeds:
+            metrics = runs.get(row.name, {}).get(seed)
+            if metrics is None:
+                cells.append("—")
+                continue
+            _, success = eval_curve(metrics)
+            cells.append(f"{100 * success[0]:.1f}→{100 * success[-1]:.1f} (AUC {100 * run_scores(metrics)['auc']:.1f})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class Diagnostic:
+    """A column of the diagnostics table: one statistic per run (None where the run does not log its
+    key), shown as mean ± 95 % CI over the runs that have it."""
+
+    header: str
+    definition: str  # for the text above the table
+    statistic: Callable[[Sequence[Mapping[str, Any]], int], float | None]  # (metrics lines, critic warmup steps)
+    scale: float = 1.0
+    spec: str = ".2f"
+    exact_zero: bool = False  # a nonnegative statistic: "0 exactly" when it is 0 in every run
+
+
+def diagnostic_columns(levels: Sequence[str] = ()) -> list[Diagnostic]:
+    """The mechanism diagnostics, one column each; `levels`: the `eval/success_rate/level_<d>` keys."""
+    columns = [
+        Diagnostic("critic EV before updates", "the run's median, over the RL steps after the critic warmup "
+                   "(`critic.warmup_steps`), of the critic's explained variance on the step's fresh batch before "
+                   "its updates", lambda lines, warmup: median_after_warmup(lines, EV_BEFORE_KEY, warmup)),
+        Diagnostic("critic EV, end of value pretraining", "the critic's explained variance over the last "
+                   "epoch of value pretraining", lambda lines, _: last_stage_value(lines, VALUE_PRETRAIN_STAGE, EV_KEY)),
+        Diagnostic("critic ‖∇‖ attention", "the mean over RL steps of the L2 norm of the critic's gradient in its "
+                   "attention layers (0 when they are frozen)",
+                   lambda lines, _: rl_mean(lines, "critic/grad_norm/attention"), spec=".3g", exact_zero=True),
+        Diagnostic("critic ‖∇‖ experts", "the same in its routed and shared experts",
+                   lambda lines, _: rl_mean(lines, "critic/grad_norm/experts"), spec=".3g", exact_zero=True),
+        Diagnostic("masked fraction %", "the mean over RL steps of the share of action tokens the keep rule "
+                   "(DIS, ESTR) masks", lambda lines, _: rl_mean(lines, "policy/masked_fraction"), scale=100.0,
+                   exact_zero=True),
+        Diagnostic("advantage mean", "the mean over RL steps of the advantage's mean over action tokens",
+                   lambda lines, _: rl_mean(lines, "policy/advantage_mean"), spec=".3f"),
+        Diagnostic("estimator share % (last eval)", "at the last evaluation, the share of answered held-out "
+                   "episodes that called the estimator tool", lambda lines, _: at_last_eval(lines, "eval/tool_share/est"),
+                   scale=100.0, spec=".1f"),
+    ]  # fmt: skip
+    for key in levels:
+        level = key[len(LEVEL_PREFIX):]
+        columns.append(Diagnostic(f"level {level} success % (last eval)", "", scale=100.0, spec=".1f",
+                                  statistic=lambda lines, _, key=key: at_last_eval(lines, key)))  # fmt: skip
+    return columns
+
+
+def level_keys(runs: Mapping[str, Mapping[int, list]]) -> list[str]:
+    """The `eval/success_rate/level_<d>` keys any run logs, by level."""
+    keys = {k for by_seed in runs.values() for lines in by_seed.values() for line in lines for k in line
+            if k.startswith(LEVEL_PREFIX)}  # fmt: skip
+    levels = {k: k[len(LEVEL_PREFIX):] for k in keys}
+    return sorted(keys, key=lambda k: (0, int(levels[k]), "") if levels[k].isdigit() else (1, 0, levels[k]))
+
+
+def diagnostic_cell(column: Diagnostic, runs: Sequence[tuple[Sequence[Mapping[str, Any]], int]]) -> str | None:
+    """One row's cell: mean ± 95 % CI over its runs of `column.statistic`; "0 exactly" for an
+    `exact_zero` statistic that is 0 in every run; "(k/n runs)" when only k of its n runs log it;
+    None when no run does."""
+    values = [v for v in (column.statistic(lines, warmup) for lines, warmup in runs) if v is not None]
+    if not values:
+        return None
+    if column.exact_zero and all(v == 0 for v in values):
+        text = "0 exactly"
+    else:
+        mean, half = (column.scale * v for v in mean_ci95(values))
+        text = f"{mean:{column.spec}}" + ("" if math.isnan(half) else f" ± {half:{column.spec}}")
+    return text + (f" ({len(values)}/{len(runs)} runs)" if len(values) < len(runs) else "")
+
+
+def diagnostics_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]],
+                      warmups: Mapping[str, Mapping[int, int]]) -> list[str]:  # fmt: skip
+    """One line per row: each diagnostic of `diagnostic_columns` that some run logs ("—" for a row none
+    of whose runs logs it); [] when no run logs any."""
+    per_row = {row.name: [(lines, warmups.get(row.name, {}).get(seed, 0)) for seed, lines in
+                          runs.get(row.name, {}).items()] for row in comparison.rows}  # fmt: skip
+    shown = []  # (column, {row: cell}) of the columns some run logs
+    for column in diagnostic_columns(level_keys(runs)):
+        got = {name: diagnostic_cell(column, found) for name, found in per_row.items() if found}
+        if any(c is not None for c in got.values()):
+            shown.append((column, got))
+    if not shown:
+        return []
+    defined = [f"- {c.header}: {c.definition}." for c, _ in shown if c.definition]
+    if any(not c.definition for c, _ in shown):
+        defined.append(f"- level d success: at the last evaluation, the held-out success of the prompts of "
+                       f"difficulty level d (`{LEVEL_PREFIX}<d>`).")  # fmt: skip
+    text = ["Mechanism diagnostics: mean ± 95 % CI over seeds of one statistic per run; \"0 exactly\": 0 in every "
+            "run; \"—\": no run of the row logs it.", "",
+            "| row | runs | " + " | ".join(c.header for c, _ in shown) + " |", "|" + "---|" * (len(shown) + 2)]  # fmt: skip
+    for row in comparison.rows:
+        found = per_row[row.name]
+        cells = [got.get(row.name) or "—" for _, got in shown] if found else ["not run"] * len(shown)
+        text.append(f"| {row.label} | {len(found)} | " + " | ".join(cells) + " |")
+    return [*text, "", *defined]
 
 
 def realignment_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
@@ -503,7 +737,72 @@ def plot_comparison(comparison: Comparison, runs: Mapping[str, Mapping[int, list
     plt.close(fig)
     if comparison.styles:
         written.append(_plot_styles(comparison, runs, folder))
+    grad_norms = plot_grad_norms(comparison, runs, folder)
+    if grad_norms is not None:
+        written.append(grad_norms)
     return written
+
+
+def grad_norm_panels(runs: Mapping[str, Mapping[int, list]]) -> tuple[list[list[str]], list[str]]:
+    """The gradient-norm keys to plot: [critic keys, policy keys] (each the total `<model>/grad_norm`
+    then its groups of `GRAD_NORM_GROUPS`) logged on some RL step, less those 0 on every RL step of
+    every run, which are returned second."""
+    values: dict[str, list[float]] = {}
+    for by_seed in runs.values():
+        for lines in by_seed.values():
+            for line in rl_lines(lines):
+                for key, value in line.items():
+                    if value is not None and key.startswith(("critic/grad_norm", "policy/grad_norm")):
+                        values.setdefault(key, []).append(value)
+    panels, zero = [], []
+    for model in ("critic", "policy"):
+        keys = [k for k in (f"{model}/grad_norm", *(f"{model}/grad_norm/{g}" for g in GRAD_NORM_GROUPS)) if k in values]
+        zero += [k for k in keys if all(v == 0 for v in values[k])]
+        panels.append([k for k in keys if k not in zero])
+    return [keys for keys in panels if keys], zero
+
+
+def plot_grad_norms(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], folder: Path) -> Path | None:
+    """OUT/<suite>/<slug>_grad_norms.png: per gradient-norm key (`grad_norm_panels`; critic on the top
+    line of panels, policy below), each row's mean over seeds per RL step, log y; None when no run logs
+    a gradient norm. A row whose mean is 0 throughout is labelled so (log y cannot show it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels, zero = grad_norm_panels(runs)
+    if not panels:
+        return None
+    width = max(len(keys) for keys in panels)
+    fig, axes = plt.subplots(len(panels), width, figsize=(4.2 * width, 3.4 * len(panels)), squeeze=False)
+    for line_of_axes, keys in zip(axes, panels):
+        for ax, key in zip(line_of_axes, keys):
+            for i, row in enumerate(comparison.rows):
+                seeds = [rl_lines(lines) for lines in runs.get(row.name, {}).values()]
+                if not seeds or not any(line.get(key) is not None for lines in seeds for line in lines):
+                    continue
+                steps, mean, _ = per_step(seeds, key)
+                positive = mean > 0
+                label = f"{row.label} (n={len(seeds)})" + ("" if positive.any() else ", 0 throughout")
+                ax.plot(steps, np.where(positive, mean, np.nan), color=f"C{i}", label=label)
+            ax.set_yscale("log")
+            ax.set(title=key, xlabel="step")
+            ax.grid(alpha=0.3, which="both")
+            ax.legend(fontsize=7)
+        for ax in line_of_axes[len(keys):]:
+            ax.axis("off")
+    title = f"{comparison.title}\ngradient L2 norm (total, per module group): mean over seeds per RL step, log scale"
+    zero_groups = {model: [k.split("/")[-1] for k in zero if k.startswith(model)] for model in ("critic", "policy")}
+    if zero:
+        title += "\n0 at every step of every run, not drawn: " + "; ".join(
+            f"{model} {', '.join(groups)}" for model, groups in zero_groups.items() if groups)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    path = folder / f"{comparison.slug}_grad_norms.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _plot_styles(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], folder: Path) -> Path:
@@ -555,12 +854,17 @@ def write_report(suite_name: str, out: Path) -> Path:
             f"Generated by `scripts/reproduce.py` from `{out / suite_name}/<row>/seed<k>/metrics.jsonl` (finished "
             "runs only). Success is held-out success in %, mean ± 95 % CI (t, n−1 df) over seeds; AUC = area "
             "under the held-out success curve / the steps it spans. Δ is the row minus the reference row, "
-            "paired by seed (a seed's runs share their warm start and prompts), mean ± 95 % CI. The paper's "
+            "paired by seed (a seed's runs share their warm start and prompts), mean ± 95 % CI; beside it, "
+            "whether that interval excludes 0 at 95 % and at 99 % (t_{0.995, n−1}, a robustness reading: the "
+            "rows are several comparisons against one reference, uncorrected). The paper's "
             "numbers are its benchmarks (not this task): only the direction of each row against the "
             "reference row is comparable."]  # fmt: skip
     for comparison in suite.comparisons:
         runs = {row.name: load_runs(out, suite_name, row.name) for row in comparison.rows}
+        warmups = {row.name: load_warmups(out, suite_name, row.name, runs[row.name]) for row in comparison.rows}
         text += ["", f"## {comparison.title}", "", *comparison_table(comparison, runs)]
+        for table in (per_seed_table(comparison, runs), diagnostics_table(comparison, runs, warmups)):
+            text += ["", *table] if table else []
         if comparison.styles:
             text += ["", *realignment_table(comparison, runs)]
         plots = plot_comparison(comparison, runs, out / suite_name)

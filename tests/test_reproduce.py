@@ -156,6 +156,27 @@ def test_t_table_matches_scipy_and_rounds_down_to_a_wider_interval():
         reproduce.t_critical_95(0)
 
 
+def test_99_table_matches_scipy_and_excludes_zero_reads_both_levels():
+    stats = pytest.importorskip("scipy.stats")
+    assert set(reproduce.T_995) == set(reproduce.T_975)
+    for df, value in reproduce.T_995.items():
+        assert value == pytest.approx(stats.t.ppf(0.995, df), abs=6e-4), df
+    for df in (35, 45, 100, 500):
+        assert reproduce.t_critical(df, 0.99) >= stats.t.ppf(0.995, df)
+    assert reproduce.t_critical(9, 0.99) == 3.250  # the design's 10 seeds
+    # [0.5, 0.7, 0.9] at 99 %: 9.925 · 0.2 / √3 = 1.1460403
+    assert reproduce.mean_ci([0.5, 0.7, 0.9], 0.99) == pytest.approx((0.7, 1.1460403), abs=1e-6)
+    # [1.0, 1.5, 2.0]: s = 0.5; 95 %: 4.303 · 0.5 / √3 = 1.2421 < 1.5; 99 %: 9.925 · 0.5 / √3 = 2.8651 > 1.5
+    assert reproduce.excludes_zero([1.0, 1.5, 2.0], 0.95) is True
+    assert reproduce.excludes_zero([1.0, 1.5, 2.0], 0.99) is False
+    assert reproduce.excludes_zero([-1.0, -1.0, -1.0], 0.99) is True  # no spread, a clear sign
+    assert reproduce.excludes_zero([0.3], 0.95) is None
+    # Paired by seed (seed 3 has no reference): differences 0.010, 0.015, 0.020 -> 99 % half-width 2.9 points
+    row, reference = {0: 0.51, 1: 0.515, 2: 0.52, 3: 0.9}, {0: 0.5, 1: 0.5, 2: 0.5}
+    assert reproduce.robustness(row, reference) == "yes / no (99 %: ± 2.9)"
+    assert reproduce.robustness({0: 0.6}, reference) == "—"
+
+
 def test_run_scores_final_max_and_normalised_area():
     lines = [{"step": 0, "stage": "sft", "sft/nll": 3.0}, {"step": 0, "eval/success_rate": 0.5},
              {"step": 10, "train/reward_mean": 0.1}, {"step": 10, "eval/success_rate": 0.7},
@@ -165,14 +186,71 @@ def test_run_scores_final_max_and_normalised_area():
     assert scores == pytest.approx({"final": 0.6, "max": 0.7, "auc": 19 / 30})
 
 
-def write_run(folder, evals, *, finished=True, extra=()):
+DIAGNOSTIC_LINES = [
+    {"step": 0, "stage": "sft", "sft/nll": 1.0},
+    {"step": 0, "stage": "value_pretrain", "value_pretrain/epoch": 0, "critic/explained_variance": 0.1,
+     "critic/grad_norm/experts": 50.0},
+    {"step": 0, "stage": "value_pretrain", "value_pretrain/epoch": 1, "critic/explained_variance": 0.3,
+     "critic/grad_norm/experts": 50.0},
+    {"step": 0, "eval/success_rate": 0.2, "eval/tool_share/est": 0.9, "eval/success_rate/level_1": 0.5},
+    {"step": 1, "train/critic_warmup": 1, "critic/before_updates/explained_variance": -9.0, "critic/grad_norm/experts": 1.0},
+    {"step": 2, "train/critic_warmup": 0, "critic/before_updates/explained_variance": 0.9, "critic/grad_norm/experts": 2.0,
+     "policy/advantage_mean": 0.1},
+    {"step": 3, "train/critic_warmup": 0, "critic/before_updates/explained_variance": 0.1, "critic/grad_norm/experts": 3.0,
+     "policy/advantage_mean": 0.3, "eval/success_rate": 0.5, "eval/tool_share/est": 0.4},
+    {"step": 4, "train/critic_warmup": 0, "critic/before_updates/explained_variance": 0.5, "critic/grad_norm/experts": 6.0,
+     "policy/advantage_mean": -0.1},
+    {"step": 5, "train/critic_warmup": 0, "critic/before_updates/explained_variance": 0.7, "critic/grad_norm/experts": 8.0,
+     "policy/advantage_mean": 0.1},
+]  # fmt: skip
+
+
+def test_per_run_diagnostics_against_hand_computation():
+    lines = DIAGNOSTIC_LINES
+    # RL lines: steps 1-5 (the warm-start stages and the step-0 evaluation are not RL steps).
+    assert [line["step"] for line in reproduce.rl_lines(lines)] == [1, 2, 3, 4, 5]
+    # Warmup: the config's critic.warmup_steps; without a config, the last step flagged train/critic_warmup.
+    assert reproduce.critic_warmup_steps(lines, {"critic": {"warmup_steps": 2}}) == 2
+    assert reproduce.critic_warmup_steps(lines) == 1 and reproduce.critic_warmup_steps(lines[:4]) == 0
+    key = "critic/before_updates/explained_variance"
+    assert reproduce.median_after_warmup(lines, key, 1) == pytest.approx(0.6)  # median(0.9, 0.1, 0.5, 0.7)
+    assert reproduce.median_after_warmup(lines, key, 0) == pytest.approx(0.5)  # median(−9, 0.9, 0.1, 0.5, 0.7)
+    assert reproduce.median_after_warmup(lines, key, 5) is None
+    # Mean over RL steps: the value-pretraining lines' norms (50) stay out; the warmup step counts.
+    assert reproduce.rl_mean(lines, "critic/grad_norm/experts") == pytest.approx((1 + 2 + 3 + 6 + 8) / 5)
+    assert reproduce.rl_mean(lines, "policy/advantage_mean") == pytest.approx(0.1)  # (0.1 + 0.3 − 0.1 + 0.1) / 4
+    assert reproduce.rl_mean(lines, "policy/masked_fraction") is None
+    assert reproduce.last_stage_value(lines, "value_pretrain", "critic/explained_variance") == 0.3
+    assert reproduce.last_stage_value(lines, "sft", "critic/explained_variance") is None
+    # The last evaluation is step 3's; level_1 was logged at step 0 only.
+    assert reproduce.at_last_eval(lines, "eval/tool_share/est") == 0.4
+    assert reproduce.at_last_eval(lines, "eval/success_rate/level_1") is None
+    assert reproduce.at_last_eval(lines[:3], "eval/tool_share/est") is None
+
+
+def write_run(folder, evals, *, finished=True, extra=(), config=None):
     folder.mkdir(parents=True)
     lines = [{"step": 0, "stage": "sft", "sft/nll": 2.0}]
     lines += [{"step": s, "eval/success_rate": v} for s, v in evals]
     lines += list(extra)
     (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    if config is not None:
+        (folder / "config.yaml").write_text(yaml.safe_dump(config))
     if finished:
         (folder / "summary.json").write_text("{}")
+
+
+def markdown_table(report, first_header):
+    """{first cell: [cells]} of the table whose header row starts with `first_header`."""
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"| {first_header}"))
+    rows = {}
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return [c.strip() for c in lines[start].strip("|").split("|")], rows
 
 
 def test_report_table_from_synthetic_metrics(tmp_path):
@@ -192,9 +270,91 @@ def test_report_table_from_synthetic_metrics(tmp_path):
     # max of step_average: [0.70, 0.70, 0.71]: 70.33, s = 0.0057735 -> ± 4.303 · 0.0057735 / √3 = 0.0143
     # Δ is paired by seed: 0.69 − 0.89, 0.70 − 0.90, 0.71 − 0.91 -> −20.0 ± 0.0
     assert by_row["step_average"][2:7] == ["3", "70.0 ± 2.5", "70.3 ± 1.4", "66.7 ± 0.8", "-20.0 ± 0.0"]
-    assert by_row["step_average"][7:] == ["85.8", "agrees"]  # paper 85.8 < 89.8 and ours 70 < 90
-    assert by_row["step_last_token"][6:] == ["+6.0 ± 0.0", "87.3", "disagrees"]
+    # A constant paired difference excludes 0 at both levels.
+    # paper 85.8 < 89.8 and ours 70 < 90
+    assert by_row["step_average"][7:] == ["yes / yes (99 %: ± 0.0)", "85.8", "agrees"]
+    assert by_row["step_last_token"][6:] == ["+6.0 ± 0.0", "yes / yes (99 %: ± 0.0)", "87.3", "disagrees"]
     assert (tmp_path / "table5" / "success.png").stat().st_size > 0
+    # Per seed: start→end and AUC; seed 3 of token_level is unfinished, so no seed 3 column.
+    header, per_seed = markdown_table(report, "row | seed 0")
+    assert header == ["row", "seed 0", "seed 1", "seed 2"]
+    assert per_seed["step-average"] == ["50.0→69.0 (AUC 66.3)", "50.0→70.0 (AUC 66.7)", "50.0→71.0 (AUC 67.0)"]
+    # No diagnostic key in these metrics: no diagnostics table, no gradient-norm plot.
+    assert "Mechanism diagnostics" not in report and not (tmp_path / "table5" / "success_grad_norms.png").exists()
+
+
+def chain_run_lines(seed, row):
+    """RL steps 1-5 (critic warmup 2 in the config) of a synthetic chain run; evaluations at steps 0 and 5."""
+    lines = [{"step": 0, "eval/success_rate": 0.2, "eval/tool_share/est": 0.6, "eval/success_rate/level_1": 0.5,
+              "eval/success_rate/level_2": 0.0}]  # fmt: skip
+    for step in range(1, 6):
+        line = {"step": step, "train/critic_warmup": int(step <= 2)}
+        if row == "sao":
+            explained = [[-9, -9, 0.9, 0.1, 0.4], [-9, -9, 0.5, 0.2, 0.1]][seed][step - 1]
+            line |= {"critic/before_updates/explained_variance": explained, "critic/grad_norm/attention": 0.0,
+                     "critic/grad_norm/experts": float(step + seed)}  # fmt: skip
+            if step > 2:
+                line |= {"policy/masked_fraction": 0.0,
+                         "policy/advantage_mean": [[0.1, 0.2, 0.3], [0.0, 0.0, 0.3]][seed][step - 3]}  # fmt: skip
+        else:
+            line |= {"policy/masked_fraction": [0.0, 0.01][seed] * (step - 1) / 2,
+                     "policy/advantage_mean": 0.4 + 0.1 * seed}  # fmt: skip
+        lines.append(line)
+    last = {"sao": [0.6, 0.7], "running_mean": [0.8, 0.85]}[row][seed]
+    lines.append({"step": 5, "eval/success_rate": last, "eval/tool_share/est": [0.1, 0.3][seed],
+                  "eval/success_rate/level_1": 1.0, "eval/success_rate/level_2": [0.2, 0.4][seed],
+                  **({"eval/success_rate/level_10": 0.0} if (row, seed) == ("sao", 1) else {})})  # fmt: skip
+    if row == "sao":
+        lines[:0] = [{"step": 0, "stage": "value_pretrain", "value_pretrain/epoch": e,
+                      "critic/explained_variance": [0.1, 0.3 + 0.1 * seed][e]} for e in (0, 1)]  # fmt: skip
+    return lines
+
+
+def test_chain_report_gives_per_seed_results_robustness_and_mechanism_diagnostics(tmp_path):
+    for row, warmup in (("sao", 2), ("running_mean", 0)):
+        for seed in range(2):
+            write_run(tmp_path / "chain" / row / f"seed{seed}", [], extra=chain_run_lines(seed, row),
+                      config={"critic": {"warmup_steps": warmup}})  # fmt: skip
+    report = reproduce.write_report("chain", tmp_path).read_text()
+    _, main = markdown_table(report, "row | config")
+    # running mean − SAO by seed: +0.20, +0.15: 95 %: 12.706 · 0.035355 / √2 = 0.318 > 0.175; 99 %: 63.657 · 0.025
+    assert main["Running-mean baseline"][5:7] == ["+17.5 ± 31.8", "no / no (99 %: ± 159.1)"]
+    assert main["w/o faster value"][1:7] == ["0", "not run", "not run", "not run", "—", "—"]
+
+    _, per_seed = markdown_table(report, "row | seed 0")
+    assert per_seed["SAO (token-level GAE)"] == ["20.0→60.0 (AUC 40.0)", "20.0→70.0 (AUC 45.0)"]
+    assert per_seed["GRPO+DIS (group of 8)"] == ["—", "—"]
+
+    header, diag = markdown_table(report, "row | runs")
+    assert header == ["row", "runs", "critic EV before updates", "critic EV, end of value pretraining",
+                      "critic ‖∇‖ attention", "critic ‖∇‖ experts", "masked fraction %", "advantage mean",
+                      "estimator share % (last eval)", "level 1 success % (last eval)",
+                      "level 2 success % (last eval)", "level 10 success % (last eval)"]  # fmt: skip
+    # Per run, then mean ± 12.706 · s / √2 over the two seeds (half = 12.706 · |a − b| / 2):
+    # EV median after warmup 2: median(0.9, 0.1, 0.4) = 0.4, median(0.5, 0.2, 0.1) = 0.2 -> 0.30 ± 1.27;
+    # last value-pretraining epoch: 0.3, 0.4 -> 0.35 ± 0.64; experts: mean(1..5) = 3, mean(2..6) = 4 -> 3.5 ± 6.35;
+    # advantage: 0.2, 0.1 -> 0.150 ± 0.635; estimator share 10, 30 % -> 20.0 ± 127.1; level 2: 20, 40 % -> 30.0 ± 127.1;
+    # level 10 is logged by one run only.
+    assert diag["SAO (token-level GAE)"] == ["2", "0.30 ± 1.27", "0.35 ± 0.64", "0 exactly", "3.5 ± 6.35", "0 exactly",
+                                             "0.150 ± 0.635", "20.0 ± 127.1", "100.0 ± 0.0", "30.0 ± 127.1",
+                                             "0.0 (1/2 runs)"]  # fmt: skip
+    # The critic-free row has no critic columns; its masked fraction is 0 in one run only: 0, 1 % -> 0.50 ± 6.35.
+    assert diag["Running-mean baseline"] == ["2", "—", "—", "—", "—", "0.50 ± 6.35", "0.450 ± 0.635",
+                                             "20.0 ± 127.1", "100.0 ± 0.0", "30.0 ± 127.1", "—"]  # fmt: skip
+    assert diag["step-average GAE"] == ["0", *["not run"] * 10]
+    assert "- critic EV before updates: the run's median" in report
+
+    runs = {name: reproduce.load_runs(tmp_path, "chain", name) for name in ("sao", "running_mean")}
+    assert reproduce.grad_norm_panels(runs) == ([["critic/grad_norm/experts"]], ["critic/grad_norm/attention"])
+    assert (tmp_path / "chain" / "success_grad_norms.png").stat().st_size > 0
+    assert "![success_grad_norms](chain/success_grad_norms.png)" in report
+
+
+def test_report_without_any_run_folder_says_not_run(tmp_path):
+    report = reproduce.write_report("table4", tmp_path).read_text()
+    _, main = markdown_table(report, "row | config")
+    assert main["SAO"][1:7] == ["0", "not run", "not run", "not run", "—", "—"]
+    assert "| row | seed" not in report and "Mechanism diagnostics" not in report
 
 
 def test_direction_pairs_seeds_and_says_when_the_difference_interval_holds_zero(tmp_path):
