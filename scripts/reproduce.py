@@ -6,6 +6,9 @@
     python scripts/reproduce.py --suite open --report-only    # tables and plots from the metrics already there
     python scripts/reproduce.py --suite table5 --seeds 3 train.steps=400   # key=value overrides for every run
     python scripts/reproduce.py --suite open --seeds 2 --rows dis estr     # only these rows
+    python scripts/reproduce.py --suite chain --seeds 10 --out /scratch --archive results
+        # runs in /scratch; the finished ones kept in results/chain/<row>/seed<k>/ (metrics.jsonl.gz,
+        # summary.json, config.yaml: small enough to commit), the report written from there
 
 Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 4 + GRPO+DIS), table5
 (step- vs token-level GAE), chain (Table 4's rows and step-average GAE on the chained calculator, whose
@@ -43,8 +46,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import gzip
 import json
 import math
+import shutil
 import sys
 import tempfile
 import traceback
@@ -469,20 +474,53 @@ def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold:
 
 
 def finished_runs(out: Path, suite: str, row: str) -> dict[int, Path]:
-    """{seed: run folder} of the finished runs (summary.json and metrics.jsonl written) of one row;
-    empty when the row's folder is absent."""
+    """{seed: run folder} of the finished runs (summary.json and metrics.jsonl, or its archived
+    metrics.jsonl.gz, written) of one row; empty when the row's folder is absent."""
     runs = {}
     for folder in sorted((Path(out) / suite / row).glob("seed*")):
-        if (folder / "summary.json").exists() and (folder / "metrics.jsonl").exists():
+        if (folder / "summary.json").exists() and any((folder / name).exists() for name in METRICS_FILES):
             runs[int(folder.name[len("seed"):])] = folder
     return runs
 
 
-def load_runs(out: Path, suite: str, row: str) -> dict[int, list[dict[str, Any]]]:
-    """{seed: metrics lines} of the finished runs (summary.json written) of one row."""
+# A run's metrics as the trainer writes them, or as `--archive` keeps a finished run in the repository
+# (compressed, with its summary.json and config.yaml; checkpoints, events and plots left out).
+METRICS_FILES = ("metrics.jsonl", "metrics.jsonl.gz")
+
+
+def read_run_metrics(folder: Path) -> list[dict[str, Any]]:
+    """A run folder's metric lines, from metrics.jsonl or else metrics.jsonl.gz."""
     from sao_jax.metrics import read_metrics
 
-    return {seed: read_metrics(folder / "metrics.jsonl") for seed, folder in finished_runs(out, suite, row).items()}
+    if (folder / "metrics.jsonl").exists():
+        return read_metrics(folder / "metrics.jsonl")
+    with gzip.open(folder / "metrics.jsonl.gz", "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def archive_runs(out: Path, suite: str, archive: Path) -> list[Path]:
+    """Copy each finished run of `suite` under `out` to the same place under `archive` as
+    metrics.jsonl.gz, summary.json and config.yaml (what the report and a resumed suite read), so a
+    suite's finished runs can be kept in the repository and a later `--seeds` run skips them."""
+    written = []
+    for row in SUITES[suite].rows:
+        for seed, folder in finished_runs(out, suite, row.name).items():
+            target = run_dir(archive, suite, row.name, seed)
+            if target.resolve() == folder.resolve():
+                continue
+            target.mkdir(parents=True, exist_ok=True)
+            lines = read_run_metrics(folder)
+            with gzip.open(target / "metrics.jsonl.gz", "wt") as f:
+                f.writelines(json.dumps(line) + "\n" for line in lines)
+            for name in ("summary.json", "config.yaml"):
+                shutil.copyfile(folder / name, target / name)
+            written.append(target)
+    return written
+
+
+def load_runs(out: Path, suite: str, row: str) -> dict[int, list[dict[str, Any]]]:
+    """{seed: metrics lines} of the finished runs (summary.json written) of one row."""
+    return {seed: read_run_metrics(folder) for seed, folder in finished_runs(out, suite, row).items()}
 
 
 def load_warmups(out: Path, suite: str, row: str, runs: Mapping[int, list]) -> dict[int, int]:
@@ -890,6 +928,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--report-only", action="store_true", help="write the tables and plots, run nothing")
     parser.add_argument("--rows", nargs="+", default=None, help="run only these rows of the suite (the report has all)")
+    parser.add_argument("--archive", type=Path, default=None,
+                        help="copy the finished runs under OUT to ARCHIVE (compressed metrics, summary, config; "
+                             "no checkpoints), then write the report from ARCHIVE")  # fmt: skip
     parser.add_argument("overrides", nargs="*", help="key.sub=value for every run (after the config and --quick)")
     args = parser.parse_args(argv)
     if args.seeds < 1:
@@ -905,7 +946,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             jax.config.update("jax_compilation_cache_dir", str((out / ".jax_cache").resolve()))
             failed += run_suite(name, seeds, out, overrides=args.overrides, quick=args.quick,
                                 rows=args.rows)["failed"]
-        print(f"report: {write_report(name, out)}")
+        if args.archive is not None:
+            for folder in archive_runs(out, name, args.archive):
+                print(f"archived {folder}")
+        print(f"report: {write_report(name, out if args.archive is None else args.archive)}")
     if failed:
         print(f"{len(failed)} run(s) failed: {', '.join(failed)}", file=sys.stderr)
     return 1 if failed else 0

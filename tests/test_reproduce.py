@@ -536,3 +536,25 @@ def test_quick_run_of_the_chain_suites_sao_row_trains_on_chained_calls_and_repor
     assert any("critic/before_updates/explained_variance" in line for line in rl)
     report = reproduce.write_report("chain", tmp_path).read_text()
     assert "`sao.yaml` | 1 |" in report
+
+
+def test_archived_runs_are_compressed_read_back_and_skipped_by_a_later_suite(tmp_path):
+    success = reproduce.SUCCESS_KEY
+    lines = [{"step": 0, success: 0.25}, {"step": 5, success: 0.75, "policy/advantage_mean": 0.1}]
+    folder = reproduce.run_dir(tmp_path / "scratch", "table5", "token_level", 0)
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "summary.json").write_text("{}")
+    config = to_dict(load_config(reproduce.config_file("table5", "token_level"), ["seed=0"]))
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "checkpoints").mkdir()
+    unfinished = reproduce.run_dir(tmp_path / "scratch", "table5", "step_average", 0)
+    unfinished.mkdir(parents=True)
+    (unfinished / "metrics.jsonl").write_text(json.dumps(lines[0]) + "\n")  # no summary.json: still running
+    written = reproduce.archive_runs(tmp_path / "scratch", "table5", tmp_path / "kept")
+    kept = reproduce.run_dir(tmp_path / "kept", "table5", "token_level", 0)
+    assert written == [kept]
+    assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl.gz", "summary.json"]
+    assert reproduce.load_runs(tmp_path / "kept", "table5", "token_level") == {0: lines}
+    assert reproduce.run_one(reproduce.config_file("table5", "token_level"), kept, 0, [],
+                             train_fn=lambda *a, **k: pytest.fail("a finished run is not run again")) == "skipped"
