@@ -165,7 +165,7 @@ def test_the_turn_budget_holds_two_attempts_and_ends_with_reward_zero():
         results = play(RepairEnv(), p, late)
         assert as_tuples(results) == ref_play(p.text, late)
         assert results[-1].done and results[-1].observation == "" and results[-1].info["out_of_turns"]
-        # the gold path twice over (a wrong first answer in between) fits with a spare turn left
+        # a first attempt with one extra call and a wrong answer, then the gold path: the whole budget
         gold = RepairEnv.demonstration(p)
         actions = gold[:-1] + ["<calc>1+1</calc>\n", f"A: {int(p.answer) + 1}\n"] + gold
         results = play(RepairEnv(), p, actions)
