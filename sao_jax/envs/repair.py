@@ -32,6 +32,7 @@ builds the instance from `env.options`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from sao_jax.envs.base import STOP, Prompt, StepResult
@@ -46,8 +47,12 @@ class RepairEnv(ChainEnv):
 
     `StepResult.info` is the chain's: `turn`, and as they apply `error`, `tool`, `tool_output`, `answer`,
     `correct`, `tools` (on an answer: every tag called so far in the episode, both attempts), and
-    `out_of_turns`; on every answer also `attempt` (1 or 2) and `repaired` (right on the second attempt).
+    `out_of_turns`; on every step also `failed_test` (an answer of this episode so far was wrong) and
+    `repaired` (right on the second attempt), and on every answer `attempt` (1 or 2). The last step's
+    info thus says, for every episode, whether it failed a test and whether it repaired.
     """
+
+    attempts = ATTEMPTS  # answers an episode may give (the trainer logs repair shares when > 1)
 
     def __init__(self, *, max_turns: int | None = None, repair_reward: float = 0.5,
                  demonstrate_repair: bool = True) -> None:
@@ -84,10 +89,12 @@ class RepairEnv(ChainEnv):
     def _act(self, action: str) -> StepResult:
         result = super()._act(action)
         if "correct" not in result.info:  # a tool call or a malformed action: the chain's
-            return result
+            info = {**result.info, "failed_test": self._answers > 0, "repaired": False}
+            return dataclasses.replace(result, info=info)
         self._answers += 1
         correct, repaired = result.info["correct"], result.info["correct"] and self._answers > 1
-        info = {**result.info, "attempt": self._answers, "repaired": repaired}
+        info = {**result.info, "attempt": self._answers, "failed_test": not correct or self._answers > 1,
+                "repaired": repaired}
         if correct:
             return StepResult("", self.repair_reward if repaired else 1.0, True, info)
         if self._answers < ATTEMPTS:

@@ -117,6 +117,7 @@ def test_right_first_time_earns_one():
         assert last.done and last.reward == 1.0 and FAIL not in [r.observation for r in results]
         assert last.info["correct"] and last.info["attempt"] == 1 and not last.info["repaired"]
         assert last.info["tools"] == ("calc",) * p.difficulty
+        assert not any(r.info["failed_test"] or r.info["repaired"] for r in results)
 
 
 @pytest.mark.parametrize("repair_reward", [0.5, 0.25, 0.0])
@@ -134,6 +135,8 @@ def test_a_failed_test_then_a_right_answer_earns_the_repair_reward(repair_reward
             last = results[-1]
             assert len(results) == len(actions) and last.done and last.reward == repair_reward
             assert last.info["correct"] and last.info["repaired"] and last.info["attempt"] == 2
+            assert [r.info["failed_test"] for r in results] == [False] * failed + [True] * (len(results) - failed)
+            assert [r.info["repaired"] for r in results] == [False] * (len(results) - 1) + [True]
 
 
 def test_never_right_earns_zero_after_the_second_answer():
@@ -148,7 +151,7 @@ def test_never_right_earns_zero_after_the_second_answer():
             last = results[-1]
             assert last.done and last.reward == 0.0 and last.observation == ""
             assert not last.info["correct"] and not last.info["repaired"] and last.info["attempt"] == 2
-            assert "out_of_turns" not in last.info
+            assert "out_of_turns" not in last.info and last.info["failed_test"]
 
 
 def test_the_turn_budget_holds_two_attempts_and_ends_with_reward_zero():
@@ -160,11 +163,13 @@ def test_the_turn_budget_holds_two_attempts_and_ends_with_reward_zero():
         assert as_tuples(results) == ref_play(p.text, stalls)
         assert not any(r.done for r in results[:-1])
         assert results[-1].done and results[-1].reward == 0.0 and results[-1].info["out_of_turns"]
+        assert not results[-1].info["failed_test"]
         # a wrong first answer on the last turn ends the episode: no failed test, no repair
         late = stalls[: budget - 1] + [f"A: {int(p.answer) + 1}\n"]
         results = play(RepairEnv(), p, late)
         assert as_tuples(results) == ref_play(p.text, late)
         assert results[-1].done and results[-1].observation == "" and results[-1].info["out_of_turns"]
+        assert results[-1].info["failed_test"]  # the answer was wrong, though the test was never shown
         # a first attempt with one extra call and a wrong answer, then the gold path: the whole budget
         gold = RepairEnv.demonstration(p)
         actions = gold[:-1] + ["<calc>1+1</calc>\n", f"A: {int(p.answer) + 1}\n"] + gold
@@ -235,7 +240,7 @@ def test_random_episodes_match_the_reference_step_by_step(seed, data, repair_rew
     links, values, _ = ref_parse(p.text)
     env, ref = RepairEnv(repair_reward=repair_reward), ReferenceRepair(p.text, repair_reward=repair_reward)
     env.reset(p)
-    shown, link, answers = None, 0, 0
+    shown, link, answers, failed = None, 0, 0, False
     while True:
         kind = data.draw(st.sampled_from(_KINDS))
         _, left, op, right = links[min(link, len(links) - 1)]
@@ -250,8 +255,10 @@ def test_random_episodes_match_the_reference_step_by_step(seed, data, repair_rew
         assert (result.observation, result.reward, result.done) == ref.step(action), (p.text, action)
         if "attempt" in result.info:
             answers += 1
+            failed |= result.reward == 0.0
             assert result.info["attempt"] == answers
-            assert result.info["repaired"] == (result.reward == repair_reward and answers == 2)
+        assert result.info["failed_test"] == failed
+        assert result.info["repaired"] == (result.reward == repair_reward and answers == 2)
         if result.done:
             break
         if result.observation == FAIL:
