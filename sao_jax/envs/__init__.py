@@ -15,6 +15,7 @@ from sao_jax.envs.base import Environment, EnvironmentClass, Prompt, StepResult
 from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
 from sao_jax.envs.chain import ChainEnv
 from sao_jax.envs.guessing import GuessingEnv
+from sao_jax.envs.repair import RepairEnv
 from sao_jax.envs.style_shift import StyleSchedule, StyleShiftEnv
 from sao_jax.envs.tir import TIREnv
 
@@ -23,6 +24,7 @@ ENVIRONMENTS: dict[str, EnvironmentClass] = {
     "chain": ChainEnv,
     "guessing": GuessingEnv,
     "python_tool": PythonToolEnv,
+    "repair": RepairEnv,
     "style_shift": StyleShiftEnv,
     "tir": TIREnv,
 }

@@ -25,6 +25,8 @@ Conventions shared by all environments here:
     that, fed through `step`, earn reward 1; the trainer's SFT warm start is built from them. A class
     may also provide `weak_demonstration(prompt)`, a worse demonstrator's actions, which the default
     config mixes into SFT (`sft.weak_demonstration_fraction`; set it to 0 for a class without one).
+    The trainer asks for both of an environment built with the run's `env.options`, so a constructor
+    option may shape them (repair's `demonstrate_repair`); asked of the class, they follow its defaults.
 """
 
 from __future__ import annotations

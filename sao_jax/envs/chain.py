@@ -95,14 +95,14 @@ class ChainEnv(CalculatorEnv):
         """`max_turns` None: each prompt's own budget, its links + 2 (`metadata["max_turns"]`)."""
         super().__init__(max_turns=max_turns)
 
-    @staticmethod
-    def generate_prompts(rng: np.random.Generator, n: int, difficulty: int | Sequence[int] | None = None, *,
+    @classmethod
+    def generate_prompts(cls, rng: np.random.Generator, n: int, difficulty: int | Sequence[int] | None = None, *,
                          spare_turns: int = 1) -> list[Prompt]:
         """`n` chains; `difficulty` None = uniform mix of 1-4 links. Deterministic given `rng`."""
         if spare_turns < 0:
-            raise ValueError(f"ChainEnv.generate_prompts: spare_turns must be >= 0 (got {spare_turns})")
+            raise ValueError(f"{cls.__name__}.generate_prompts: spare_turns must be >= 0 (got {spare_turns})")
         prompts = []
-        for level in choose_levels(rng, n, difficulty, LEVELS, env="ChainEnv"):
+        for level in choose_levels(rng, n, difficulty, LEVELS, env=cls.__name__):
             links, values, previous = [], [], None
             for k in range(level):
                 shown, previous = _random_link(rng, previous)
@@ -113,9 +113,14 @@ class ChainEnv(CalculatorEnv):
                 id=new_prompt_id(rng), text=f"Q: {'; '.join(links)}; {NAMES[level - 1]}=?{STOP}",
                 answer=str(values[-1]), difficulty=level,
                 metadata={"links": tuple(links), "values": tuple(values), "weak_tools": weak_tools,
-                          "max_turns": level + 1 + spare_turns},
+                          "max_turns": cls.turn_budget(level, spare_turns)},
             ))
         return prompts
+
+    @staticmethod
+    def turn_budget(links: int, spare_turns: int) -> int:
+        """The turn budget of a chain of `links`: one call per link, one answer, the spare turns."""
+        return links + 1 + spare_turns
 
     @staticmethod
     def _actions(prompt: Prompt, tools: Sequence[str]) -> list[str]:

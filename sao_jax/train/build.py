@@ -54,8 +54,10 @@ class Run:
         return env if self.chat_format is None else ChatEnv(env, self.chat_format)
 
     def demonstration(self, prompt, *, weak: bool = False) -> list[str]:
-        """The gold actions for `prompt` (`weak`: the weaker demonstrator's), in the chat format."""
-        actions = (self.env_cls.weak_demonstration if weak else self.env_cls.demonstration)(prompt)
+        """The gold actions for `prompt` (`weak`: the weaker demonstrator's), in the chat format. Asked of
+        an environment built with `env.options`, which may shape them (repair's `demonstrate_repair`)."""
+        env = self.env_cls(**self.env_kwargs)
+        actions = (env.weak_demonstration if weak else env.demonstration)(prompt)
         return actions if self.chat_format is None else self.env_factory(prompt).chat_actions(actions)
 
     def agent_loop(self, *, greedy: bool, env_factory=None) -> AgentLoop | ProcessRollouts:

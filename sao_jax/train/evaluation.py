@@ -44,6 +44,18 @@ def tool_metrics(trajectories: list[Trajectory], prefix: str, env_cls) -> dict[s
             for name in env_cls.tool_names()}  # fmt: skip
 
 
+def repair_metrics(trajectories: list[Trajectory], prefix: str, env_cls) -> dict[str, float]:
+    """Environments that allow a second answer after a failed test (`attempts` > 1, the repair task):
+    the share of trajectories with a wrong answer (a failed test) and the share repaired (right on the
+    second attempt; held-out success counts only the first)."""
+    if getattr(env_cls, "attempts", 1) < 2:
+        return {}
+    infos = [t.info.get("env_info", {}) for t in trajectories]
+    n = max(len(infos), 1)
+    return {f"{prefix}/failed_test_share": sum(bool(i.get("failed_test")) for i in infos) / n,
+            f"{prefix}/repaired_share": sum(bool(i.get("repaired")) for i in infos) / n}
+
+
 def difficulty_metrics(trajectories: list[Trajectory], prompts, prefix: str) -> dict[str, float]:
     """Success rate (outcome reward ≥ 1) per difficulty level, `{prefix}/success_rate/level_<d>`, when
     the prompts span more than one level (e.g. the chain task's 1-4 links): where the errors left are."""
@@ -70,6 +82,7 @@ def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
     `env.eval_greedy`, else the rollout sampling settings (temperature 1 by default)."""
     trajectories = eval_loop.rollout((weights, 0), run.eval_prompts, jax.random.key(0))
     return (rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval", run.env_cls)
+            | repair_metrics(trajectories, "eval", run.env_cls)
             | difficulty_metrics(trajectories, run.eval_prompts, "eval"))
 
 

@@ -33,7 +33,8 @@ from sao_jax.train import steps as steps_lib
 from sao_jax.train.advantage_probe import AdvantageProbe
 from sao_jax.train.batches import LockstepBatches, StreamingBatches
 from sao_jax.train.build import INIT_STREAM, Run, build_run, checkpoint_dir, make_optimizers, policy_weights
-from sao_jax.train.evaluation import evaluate, rollout_metrics, run_summary, style_metrics, tool_metrics
+from sao_jax.train.evaluation import (evaluate, repair_metrics, rollout_metrics, run_summary, style_metrics,
+                                     tool_metrics)
 from sao_jax.train.warm_start import run_sft, run_value_pretraining
 
 log = logging.getLogger(__name__)
@@ -178,6 +179,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
             line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls),
+                    **repair_metrics(kept, "train", run.env_cls),
                     **style_metrics(kept, schedule), **source_metrics, **jax.device_get(metrics),
                     "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip

@@ -30,7 +30,9 @@ from sao_jax.train.steps import policy_logits
 def demonstration_trajectory(env: Any, prompt: Any, demonstration: list[str], tokenizer, *,
                              add_bos: bool = True) -> Trajectory:
     """Step `env` through the gold `demonstration` actions and record the trajectory it makes
-    (starting with the tokenizer's BOS when `add_bos`, as the agent loop's rollouts do)."""
+    (starting with the tokenizer's BOS when `add_bos`, as the agent loop's rollouts do). It ends with
+    the last demonstrated action, as a rollout ends with an action: a demonstration that stops before
+    the episode ends (repair's weak one without the repair) leaves out the observation it would get."""
     pieces: list[tuple[np.ndarray, bool, int, float]] = []  # (ids, is_action, turn, reward on last)
     if add_bos and tokenizer.bos_id is not None:  # chat templates write their own start tokens
         pieces.append((np.array([tokenizer.bos_id], np.int32), False, -1, 0.0))
@@ -38,7 +40,7 @@ def demonstration_trajectory(env: Any, prompt: Any, demonstration: list[str], to
     for turn, action in enumerate(demonstration):
         result = env.step(action)
         pieces.append((tokenizer.encode(action), True, turn, float(result.reward)))
-        if result.done:
+        if result.done or turn == len(demonstration) - 1:
             break
         pieces.append((tokenizer.encode(result.observation), False, turn, 0.0))
     tokens = np.concatenate([ids for ids, *_ in pieces]).astype(np.int32)

@@ -28,6 +28,17 @@ def test_tool_share_counts_answered_trajectories_that_called_each_tool():
     assert evaluation.tool_metrics(trajectories, "train", GuessingEnv) == {}  # an environment without tools
 
 
+def test_repair_shares_count_failed_tests_and_repairs_over_every_trajectory():
+    from sao_jax.envs.repair import RepairEnv
+    trajectories = [_trajectory({"failed_test": False, "repaired": False}),  # right first time
+                    _trajectory({"failed_test": True, "repaired": True}),
+                    _trajectory({"failed_test": True, "repaired": False}),
+                    _trajectory({})]  # fmt: skip  (an env failure: counted, as neither)
+    assert evaluation.repair_metrics(trajectories, "eval", RepairEnv) == {"eval/failed_test_share": 0.5,
+                                                                         "eval/repaired_share": 0.25}  # fmt: skip
+    assert evaluation.repair_metrics(trajectories, "train", CalculatorEnv) == {}  # one answer an episode
+
+
 def test_success_per_difficulty_level_by_hand():
     prompts = [types.SimpleNamespace(id=i, difficulty=d) for i, d in enumerate([1, 1, 2, 4])]
     reward = {0: 1.0, 1: 0.0, 2: 1.0, 3: 0.5}  # 0.5 is not a success

@@ -38,6 +38,20 @@ def test_demonstration_layout_matches_the_agent_loop_convention():
         assert set(np.unique(demo.turn_index[demo.action_mask])) == {0, 1}
 
 
+def test_a_demonstration_that_stops_before_the_episode_ends_ends_with_its_last_action():
+    """As a rollout does: the observation the last action would get is not part of the trajectory
+    (repair's weak demonstration without the repair must not show its failed test)."""
+    tok = CharTokenizer()
+    env_cls = environment_class("calculator")
+    (prompt,) = env_cls.generate_prompts(np.random.default_rng(0), 1)
+    call = env_cls.demonstration(prompt)[0]
+    demo = demonstration_trajectory(env_cls(), prompt, [call], tok)
+    assert demo.num_tokens == 1 + len(prompt.text) + len(call) and demo.action_mask[-1]
+    assert "<out>" not in tok.decode(demo.tokens) and demo.rewards.sum() == 0.0
+    full = demonstration_trajectory(env_cls(), prompt, env_cls.demonstration(prompt), tok)
+    assert "<out>" in tok.decode(full.tokens)  # observations between actions are kept
+
+
 def test_sft_update_minimises_the_action_token_nll():
     tok, _, demos = calculator_demos(4)
     batch = collate(demos, buckets=(96,))
