@@ -14,7 +14,8 @@ Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 
 (step- vs token-level GAE), chain (Table 4's rows and step-average GAE on the chained calculator, whose
 episodes hold 1-4 tool calls; pre-registered in results/DESIGN.md), online (style switches, SAO vs a
 global running mean), open (skip- vs cross-observation GAE on the guessing game; DIS vs ESTR at a
-matched step-0 masked fraction).
+matched step-0 masked fraction), repair (skip- vs cross-observation GAE, and frozen vs trained critic
+attention, on the chain task whose wrong answer gets a failed test and one repair).
 
 Runs: seed k = 0..N−1, output_dir = OUT/<suite>/<row>/seed<k>. Resumable: a run whose summary.json
 exists is skipped, a run whose folder holds its config.yaml but no summary is resumed
@@ -156,6 +157,18 @@ SUITES: dict[str, Suite] = {
                    (Row("dis", "DIS"), Row("estr", "ESTR (τ calibrated)")),
                    per_step=(("policy/masked_fraction", "masked fraction"),
                              ("policy/masked_entropy_mean", "masked-token entropy"))),
+    )),
+    "repair": Suite((
+        Comparison("observation", "Repair task: skip- vs cross-observation GAE, a failed test and one repair",
+                   "skip_observation", (Row("skip_observation", "skip-observation GAE"),
+                                        Row("cross_observation", "cross-observation GAE")),
+                   per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
+                             ("eval/failed_test_share", "held-out share failing the first test"),
+                             ("eval/repaired_share", "held-out share repaired"))),
+        Comparison("unseen", "Repair task: frozen vs trained critic attention, the test never in SFT", "frozen_unseen",
+                   (Row("frozen_unseen", "frozen attention"), Row("trained_unseen", "trained attention")),
+                   per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
+                             ("critic/grad_norm/attention", "critic attention gradient norm"))),
     )),
 }
 # --quick: each budget is capped (min(config value, cap), so a 0 in a config — a critic-free row's

@@ -96,6 +96,11 @@ ROW_SETTINGS = {
     "online/sao": {"env.name": "style_shift", "advantage.estimator": "skip_observation_gae"},
     "online/running_mean": {"env.name": "style_shift", "advantage.estimator": "running_mean",
                             "advantage.running_mean_scope": "global", "advantage.running_mean_window": 128},
+    "repair/skip_observation": {"env.name": "repair", "advantage.estimator": "skip_observation_gae"},
+    "repair/cross_observation": {"env.name": "repair", "advantage.estimator": "cross_observation_gae"},
+    "repair/frozen_unseen": {"env.name": "repair", "env.options.demonstrate_repair": False},
+    "repair/trained_unseen": {"env.name": "repair", "env.options.demonstrate_repair": False,
+                              "critic.trainable_patterns": [".*"]},
 }  # fmt: skip
 
 
@@ -117,6 +122,12 @@ def test_sao_rows_are_the_default_and_paired_rows_share_everything_but_their_var
     estr = flatten(plain(load_config(ABLATIONS / "open" / "estr.yaml")))
     assert {k for k in dis if dis[k] != estr[k]} == {"loss.name"}  # estr_tau 1.0 is the default too
     assert dis["train.mode"] == "async"
+    pairs = {("skip_observation", "cross_observation"): {"advantage.estimator"},
+             ("frozen_unseen", "trained_unseen"): {"critic.trainable_patterns"},
+             ("skip_observation", "frozen_unseen"): {"env.options.demonstrate_repair"}}  # fmt: skip
+    for (a, b), differ in pairs.items():
+        a, b = (flatten(plain(load_config(ABLATIONS / "repair" / f"{name}.yaml"))) for name in (a, b))
+        assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == differ
 
 
 def test_online_schedule_switches_at_least_twice_within_the_run():
