@@ -753,7 +753,32 @@ def realignment_table(comparison: Comparison, runs: Mapping[str, Mapping[int, li
             text = _fmt(*mean_ci95(done), scale=1.0) if done else "—"
             cells.append(f"{text} ({len(done)}/{len(got)} realigned)" if got else "not run")
         lines.append("| " + " | ".join(cells) + " |")
-    return lines
+    return lines + ["", *realigned_share_table(comparison, runs)]
+
+
+def realigned_share(lines: Sequence[Mapping[str, Any]]) -> float | None:
+    """The share of a run's switches after which it realigned (`realignment`); None without switches."""
+    found = realignment(lines)
+    return sum(f["steps"] is not None for f in found) / len(found) if found else None
+
+
+def realigned_share_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
+    """Per row: the share of switches realigned, mean ± 95 % CI over seeds, and its paired difference
+    to the reference row."""
+    shares = {row.name: {seed: share for seed, lines in runs.get(row.name, {}).items()
+                         if (share := realigned_share(lines)) is not None} for row in comparison.rows}  # fmt: skip
+    text = ["Share of switches realigned per run (%), mean ± 95 % CI over seeds, and Δ vs the reference "
+            "row paired by seed:", "", "| row | seeds | switches realigned % | Δ (paired) |", "|---|---|---|---|"]
+    for row in comparison.rows:
+        by_seed = shares[row.name]
+        if not by_seed:
+            text.append(f"| {row.label} | 0 | not run | — |")
+            continue
+        mean, half, n = paired_difference(by_seed, shares[comparison.reference])
+        delta = ("—" if row.name == comparison.reference or n == 0
+                 else f"{100 * mean:+.1f}" + (" (1 seed)" if n == 1 else f" ± {100 * half:.1f}"))  # fmt: skip
+        text.append(f"| {row.label} | {len(by_seed)} | {_fmt(*mean_ci95(list(by_seed.values())))} | {delta} |")
+    return text
 
 
 def _band(ax, steps, mean, half, label):

@@ -399,6 +399,8 @@ def test_realignment_counts_steps_until_the_new_style_holds_a_majority_for_five_
     found = reproduce.realignment(style_lines(targets, shares))
     assert found == [{"switch_step": 11, "style": "classical", "steps": 3},
                      {"switch_step": 21, "style": "chuunibyou", "steps": None}]  # fmt: skip
+    assert reproduce.realigned_share(style_lines(targets, shares)) == 0.5  # 1 of its 2 switches
+    assert reproduce.realigned_share(style_lines(["cute"] * 3, [{"cute": 1.0}] * 3)) is None  # no switch
 
 
 def test_online_and_keep_rule_reports_from_synthetic_metrics(tmp_path):
@@ -411,8 +413,9 @@ def test_online_and_keep_rule_reports_from_synthetic_metrics(tmp_path):
                       extra=style_lines(targets, shares))
     report = reproduce.write_report("online", tmp_path).read_text()
     realign = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in report.splitlines()
-               if line.startswith("| ") and "realigned" in line}  # fmt: skip
+               if line.startswith("| ") and "realigned)" in line}  # fmt: skip
     assert realign == {"SAO": "1.0 ± 0.0 (2/2 realigned)", "running mean (global, 128)": "3.0 ± 0.0 (2/2 realigned)"}
+    assert "| running mean (global, 128) | 2 | 100.0 ± 0.0 | +0.0 ± 0.0 |" in report.splitlines()
     assert (tmp_path / "online" / "style_share.png").stat().st_size > 0
 
     for row, fraction in (("dis", [0.0, 0.01, 0.02]), ("estr", [0.1, 0.2, 0.3])):
