@@ -183,3 +183,23 @@ def test_a_rollout_whose_replay_differs_from_it_is_left_out_and_counted():
     probe._advantages = lambda state, batch: np.zeros(batch.tokens.shape)
     metrics = probe(state, None, step=1)
     assert metrics["probe/decisions"] == 2 and metrics["probe/inexact_replays"] == 1
+
+
+@pytest.mark.slow
+def test_the_probe_logs_its_metrics_and_changes_nothing_the_run_learns(tmp_path):
+    """The probe draws its own prompts and keys and leaves the train state as it was: a run with it
+    writes the same training metrics as one without, plus the probe's lines every probe_every steps."""
+    from sao_jax.train.loop import train
+
+    from tests.train.test_resume import TINY_RUN, algorithm_metrics
+
+    base = [*TINY_RUN, "env.name=chain", "rollout.max_total_tokens=96", "train.steps=4", "train.eval_every=2",
+            "train.checkpoint_every=4", "train.probe_prompts=2", "train.probe_continuations=2"]  # fmt: skip
+    train(load_config(None, [*base, f"output_dir={tmp_path / 'plain'}"]))
+    train(load_config(None, [*base, f"output_dir={tmp_path / 'probed'}", "train.probe_every=2"]))
+    plain = algorithm_metrics(tmp_path / "plain" / "metrics.jsonl")
+    probed = algorithm_metrics(tmp_path / "probed" / "metrics.jsonl")
+    assert [line["step"] for line in probed if "probe/decisions" in line] == [2, 4]
+    assert [{k: v for k, v in line.items() if not k.startswith("probe/")} for line in probed] == plain
+    assert (tmp_path / "probed" / "plots" / "advantage_probe.png").exists() or not any(
+        "probe/advantage_correlation" in line for line in probed)  # plotted when a correlation was defined
