@@ -467,7 +467,9 @@ def at_last_eval(lines: Sequence[Mapping[str, Any]], key: str) -> float | None:
 def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold: float = 0.5) -> list[dict[str, Any]]:
     """Steps to realign after each switch of the rewarded style (ours): after a switch at step s to
     style S, the first logged step t ≥ s from which S's share is ≥ `threshold` on `hold` consecutive
-    logged steps (within the segment before the next switch); steps = t − s, None if never."""
+    logged steps (within the segment before the next switch); steps = t − s, None if never.
+    `held_majority`: S already had ≥ `threshold` of the switch step's trajectories (sampled before
+    any update on the new rewards), so the switch tests nothing: the policy had not left S."""
     logged = sorted((line["step"], line) for line in lines if line.get(TARGET_STYLE_KEY) is not None)
     steps = [s for s, _ in logged]
     targets = [line[TARGET_STYLE_KEY] for _, line in logged]
@@ -478,7 +480,7 @@ def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold:
         style = targets[start]
         ok = [(line.get(STYLE_SHARE_PREFIX + style) or 0.0) >= threshold for _, line in logged[start:end]]
         first = next((i for i in range(len(ok) - hold + 1) if all(ok[i:i + hold])), None)
-        out.append({"switch_step": steps[start], "style": style,
+        out.append({"switch_step": steps[start], "style": style, "held_majority": bool(ok and ok[0]),
                     "steps": None if first is None else steps[start + first] - steps[start]})  # fmt: skip
     return out
 
@@ -743,22 +745,27 @@ def realignment_table(comparison: Comparison, runs: Mapping[str, Mapping[int, li
         return [f"No `{TARGET_STYLE_KEY}` switches in the metrics: steps to realign cannot be measured."]
     header = ["row", *(f"→ {s['style']} at step {s['switch_step']}" for s in switches)]
     lines = ["Steps to realign (new style ≥ 50 % of a step's trajectories on 5 consecutive steps), "
-             "mean ± 95 % CI over the seeds that realigned:", "",
+             "mean ± 95 % CI over the seeds that realigned; a run whose policy already wrote the new style "
+             "in ≥ 50 % of the switch step's trajectories is not counted (\"held it already\"):", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
     for row in comparison.rows:
         cells = [row.label]
         for k in range(len(switches)):
-            got = [found[k]["steps"] for found in per_row[row.name] if len(found) > k]
+            tested = [found[k] for found in per_row[row.name] if len(found) > k]
+            held = sum(f["held_majority"] for f in tested)
+            got = [f["steps"] for f in tested if not f["held_majority"]]
             done = [g for g in got if g is not None]
             text = _fmt(*mean_ci95(done), scale=1.0) if done else "—"
-            cells.append(f"{text} ({len(done)}/{len(got)} realigned)" if got else "not run")
+            note = f"; {held} held it already" if held else ""
+            cells.append(f"{text} ({len(done)}/{len(got)} realigned{note})" if tested else "not run")
         lines.append("| " + " | ".join(cells) + " |")
     return lines + ["", *realigned_share_table(comparison, runs)]
 
 
 def realigned_share(lines: Sequence[Mapping[str, Any]]) -> float | None:
-    """The share of a run's switches after which it realigned (`realignment`); None without switches."""
-    found = realignment(lines)
+    """The share of a run's switches to a style it had left (not `held_majority`) after which it
+    realigned (`realignment`); None without such a switch."""
+    found = [f for f in realignment(lines) if not f["held_majority"]]
     return sum(f["steps"] is not None for f in found) / len(found) if found else None
 
 

@@ -397,9 +397,13 @@ def test_realignment_counts_steps_until_the_new_style_holds_a_majority_for_five_
     chuuni = [0.0] * 20 + [0.6, 0.6, 0.6, 0.6, 0.1, 0.6]
     shares = [{"classical": a, "chuunibyou": b, "cute": 1 - a - b} for a, b in zip(classical, chuuni)]
     found = reproduce.realignment(style_lines(targets, shares))
-    assert found == [{"switch_step": 11, "style": "classical", "steps": 3},
-                     {"switch_step": 21, "style": "chuunibyou", "steps": None}]  # fmt: skip
-    assert reproduce.realigned_share(style_lines(targets, shares)) == 0.5  # 1 of its 2 switches
+    assert found == [{"switch_step": 11, "style": "classical", "held_majority": False, "steps": 3},
+                     {"switch_step": 21, "style": "chuunibyou", "held_majority": True, "steps": None}]  # fmt: skip
+    # Chuunibyou already held 0.6 of the switch step's trajectories: that switch tests nothing.
+    assert reproduce.realigned_share(style_lines(targets, shares)) == 1.0  # 1 of the 1 switch that counts
+    chuuni_late = [0.0] * 20 + [0.1, 0.6, 0.6, 0.6, 0.1, 0.6]
+    late = [{"classical": a, "chuunibyou": b, "cute": 1 - a - b} for a, b in zip(classical, chuuni_late)]
+    assert reproduce.realigned_share(style_lines(targets, late)) == 0.5  # 1 of 2: chuunibyou never holds 5 steps
     assert reproduce.realigned_share(style_lines(["cute"] * 3, [{"cute": 1.0}] * 3)) is None  # no switch
 
 
