@@ -11,6 +11,10 @@ Each is a pure function of arrays, logged by the train steps (`train.steps`) bes
   `critic/after_updates/*` after its K updates (read where the policy update recomputes the values).
   The gap is the critic lag that TTUR is meant to close.
 
+* `action_edge_advantages` — the mean advantage on the first token of each action and on its last:
+  `policy/advantage_first_action_token`, `policy/advantage_last_action_token`. Bootstrapped token-level
+  GAE can put an episode's credit on either end; an outcome baseline gives both the same.
+
 The advantage's per-token spread over action tokens is `policy/advantage_std` (`advantages.masked_var`).
 """
 
@@ -72,3 +76,18 @@ def fit_metrics(values: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[
     varies = target_variance > 1e-6 * mean(jnp.square(targets))
     explained = jnp.where(varies, 1.0 - error_variance / jnp.where(varies, target_variance, 1.0), 0.0)
     return {"explained_variance": explained, "mse": mean(jnp.square(error))}
+
+
+def action_edge_advantages(advantages: jax.Array, action_mask: jax.Array) -> dict[str, jax.Array]:
+    """Mean of `advantages` [batch, time] over the first token of every action (an action token whose
+    predecessor is not one) and over the last (an action token whose successor is not one); 0 without
+    actions. Keys: `advantage_first_action_token`, `advantage_last_action_token`."""
+    action = action_mask.astype(bool)
+    outside = jnp.zeros_like(action[:, :1])
+    first = action & ~jnp.concatenate([outside, action[:, :-1]], axis=1)
+    last = action & ~jnp.concatenate([action[:, 1:], outside], axis=1)
+
+    def mean(mask):
+        return jnp.sum(jnp.where(mask, advantages, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
+
+    return {"advantage_first_action_token": mean(first), "advantage_last_action_token": mean(last)}

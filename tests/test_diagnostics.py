@@ -70,3 +70,14 @@ def test_fit_metrics_by_hand():
     # from pieces) explain nothing, rather than −1e13
     rounded = jnp.ones_like(targets).at[0, 0].add(1.2e-7)  # the next float32 above 1
     assert float(diagnostics.fit_metrics(values, rounded, mask)["explained_variance"]) == 0.0
+
+
+def test_action_edge_advantages_by_hand():
+    # row 0: prompt, action [1, 2, 3], observation, action [4, 5]; row 1: a one-token action [6], padding
+    advantages = jnp.array([[9.0, 1.0, 2.0, 3.0, 9.0, 4.0, 5.0], [9.0, 6.0, 9.0, 9.0, 9.0, 9.0, 9.0]])
+    action = jnp.array([[0, 1, 1, 1, 0, 1, 1], [0, 1, 0, 0, 0, 0, 0]])
+    got = diagnostics.action_edge_advantages(advantages, action)
+    assert float(got["advantage_first_action_token"]) == pytest.approx((1 + 4 + 6) / 3)
+    assert float(got["advantage_last_action_token"]) == pytest.approx((3 + 5 + 6) / 3)
+    empty = diagnostics.action_edge_advantages(advantages, jnp.zeros_like(action))
+    assert float(empty["advantage_first_action_token"]) == 0.0 and float(empty["advantage_last_action_token"]) == 0.0

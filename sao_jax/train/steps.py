@@ -443,6 +443,7 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
             "skipped_updates": skipped_updates(opt_state),
             "advantage_mean": adv.masked_mean(advantages, action),
             "advantage_std": jnp.sqrt(adv.masked_var(advantages, action, unbiased=False)),
+            **diagnostics.action_edge_advantages(advantages, action),
             **{f"grad_norm/{group}": norm for group, norm in diagnostics.group_grad_norms(grads).items()},
             **extra,
         }
