@@ -8,7 +8,8 @@
     python scripts/reproduce.py --suite open --seeds 2 --rows dis estr     # only these rows
     python scripts/reproduce.py --suite chain --seeds 10 --out /scratch --archive results
         # runs in /scratch; the finished ones kept in results/chain/<row>/seed<k>/ (metrics.jsonl.gz,
-        # summary.json, config.yaml: small enough to commit), the report written from there
+        # summary.json, config.yaml: small enough to commit), the report written from there; with
+        # --archive equal to --out, metrics.jsonl.gz is written beside each finished run
 
 Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 4 + GRPO+DIS), table5
 (step- vs token-level GAE), chain (Table 4's rows and step-average GAE on the chained calculator, whose
@@ -521,14 +522,16 @@ def archive_runs(out: Path, suite: str, archive: Path) -> list[Path]:
     for row in SUITES[suite].rows:
         for seed, folder in finished_runs(out, suite, row.name).items():
             target = run_dir(archive, suite, row.name, seed)
-            if target.resolve() == folder.resolve():
+            in_place = target.resolve() == folder.resolve()  # --out and --archive the same folder
+            if in_place and (target / "metrics.jsonl.gz").exists():
                 continue
             target.mkdir(parents=True, exist_ok=True)
             lines = read_run_metrics(folder)
             with gzip.open(target / "metrics.jsonl.gz", "wt") as f:
                 f.writelines(json.dumps(line) + "\n" for line in lines)
-            for name in ("summary.json", "config.yaml"):
-                shutil.copyfile(folder / name, target / name)
+            if not in_place:
+                for name in ("summary.json", "config.yaml"):
+                    shutil.copyfile(folder / name, target / name)
             written.append(target)
     return written
 

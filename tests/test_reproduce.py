@@ -576,3 +576,7 @@ def test_archived_runs_are_compressed_read_back_and_skipped_by_a_later_suite(tmp
     assert reproduce.load_runs(tmp_path / "kept", "table5", "token_level") == {0: lines}
     assert reproduce.run_one(reproduce.config_file("table5", "token_level"), kept, 0, [],
                              train_fn=lambda *a, **k: pytest.fail("a finished run is not run again")) == "skipped"
+    # Archiving into the folder the suite ran in compresses the metrics beside the run, once.
+    assert reproduce.archive_runs(tmp_path / "scratch", "table5", tmp_path / "scratch") == [folder]
+    assert (folder / "metrics.jsonl.gz").exists() and (folder / "metrics.jsonl").exists()
+    assert reproduce.archive_runs(tmp_path / "scratch", "table5", tmp_path / "scratch") == []
