@@ -537,23 +537,27 @@ def test_quick_run_of_the_estr_row_calibrates_tau_trains_and_reports(tmp_path):
 
 
 @pytest.mark.slow
-def test_quick_run_of_the_chain_suites_sao_row_trains_on_chained_calls_and_reports(tmp_path):
-    """The chain suite's reference row end to end with the real trainer, on tiny budgets: episodes of
-    up to 4 tool calls, a per-step critic curve in the report."""
+@pytest.mark.parametrize(("suite", "row", "difficulty", "logged"), [
+    ("chain", "sao", "[1,4]", "critic/before_updates/explained_variance"),
+    ("repair", "frozen_unseen", "[1]", "train/failed_test_share")])  # fmt: skip
+def test_quick_run_of_a_stress_suites_row_trains_on_chained_calls_and_reports(tmp_path, suite, row, difficulty, logged):
+    """The chain suite's reference row, and the repair suite's row whose test is unseen in SFT, end
+    to end with the real trainer on tiny budgets: episodes of several tool calls, the suite's
+    diagnostics in the metrics, the run in the report."""
     from sao_jax.train.loop import train
 
-    path = reproduce.config_file("chain", "sao")
+    path = reproduce.config_file(suite, row)
     tiny = [o for o in TINY if not o.startswith(("env.difficulty", "rollout.max_total_tokens"))]
-    tiny += ["env.difficulty=[1,4]"]
-    overrides = [*reproduce.quick_overrides(load_config(path, tiny), reproduce.SUITES["chain"]), *tiny]
-    output_dir = reproduce.run_dir(tmp_path, "chain", "sao", 0)
+    tiny += [f"env.difficulty={difficulty}"]
+    overrides = [*reproduce.quick_overrides(load_config(path, tiny), reproduce.SUITES[suite]), *tiny]
+    output_dir = reproduce.run_dir(tmp_path, suite, row, 0)
     assert reproduce.run_one(path, output_dir, 0, overrides, train_fn=train) == "ran"
     lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
     rl = [line for line in lines if "train/reward_mean" in line]
     assert len(rl) == 3 and all(line["train/num_turns"] >= 1 for line in rl)
-    assert any("critic/before_updates/explained_variance" in line for line in rl)
-    report = reproduce.write_report("chain", tmp_path).read_text()
-    assert "`sao.yaml` | 1 |" in report
+    assert any(logged in line for line in rl)
+    report = reproduce.write_report(suite, tmp_path).read_text()
+    assert f"`{row}.yaml` | 1 |" in report
 
 
 def test_archived_runs_are_compressed_read_back_and_skipped_by_a_later_suite(tmp_path):
