@@ -262,6 +262,21 @@ _KINDS = ("gold", "miscopy", "estimate", "answer_shown", "answer_gold", "answer_
           "garbage")
 
 
+def chain_action(kind: str, links, values, link: int, shown: int | None) -> str:
+    """One action of `kind` at link `link` (0-based) of a chain parsed by `ref_parse`, `shown` the
+    last value the tool showed (None before the first call)."""
+    _, left, op, right = links[min(link, len(links) - 1)]
+    x = int(left) if shown is None else shown
+    return {
+        "gold": f"<calc>{x}{op}{right}</calc>\n", "miscopy": f"<calc>{x + 1}{op}{right}</calc>\n",
+        "estimate": f"<est>{x}{op}{right}</est>\n", "answer_shown": f"A: {shown}\n",
+        "answer_gold": f"A: {values[-1]}\n", "answer_wrong": f"A: {values[-1] + 1}\n",
+        "answer_far": f"A: {2 * values[-1]}\n",
+        "name": f"<calc>{'abcd'[min(max(link - 1, 0), 3)]}{op}{right}</calc>\n", "two_ops": f"<calc>{x}{op}{right}+1</calc>\n",
+        "garbage": "<calc" + str(x) + "\n",
+    }[kind]  # fmt: skip
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.data())
 def test_random_episodes_match_the_reference_step_by_step(seed, data):
@@ -271,17 +286,7 @@ def test_random_episodes_match_the_reference_step_by_step(seed, data):
     env.reset(p)
     shown, link = None, 0
     while True:
-        kind = data.draw(st.sampled_from(_KINDS))
-        _, left, op, right = links[min(link, len(links) - 1)]
-        x = int(left) if shown is None else shown
-        action = {
-            "gold": f"<calc>{x}{op}{right}</calc>\n", "miscopy": f"<calc>{x + 1}{op}{right}</calc>\n",
-            "estimate": f"<est>{x}{op}{right}</est>\n", "answer_shown": f"A: {shown}\n",
-            "answer_gold": f"A: {values[-1]}\n", "answer_wrong": f"A: {values[-1] + 1}\n",
-            "answer_far": f"A: {2 * values[-1]}\n",
-            "name": f"<calc>{'abcd'[min(max(link - 1, 0), 3)]}{op}{right}</calc>\n", "two_ops": f"<calc>{x}{op}{right}+1</calc>\n",
-            "garbage": "<calc" + str(x) + "\n",
-        }[kind]
+        action = chain_action(data.draw(st.sampled_from(_KINDS)), links, values, link, shown)
         result = env.step(action)
         assert (result.observation, result.reward, result.done) == ref.step(action), (p.text, action)
         if result.done:

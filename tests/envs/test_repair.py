@@ -20,7 +20,7 @@ from sao_jax.envs.chain import ChainEnv
 from sao_jax.envs.repair import RepairEnv
 from sao_jax.train.build import Run, env_options
 from sao_jax.train.sft import demonstration_trajectory
-from tests.envs.test_chain import ReferenceChain, ref_actions, ref_parse
+from tests.envs.test_chain import ReferenceChain, chain_action, ref_actions, ref_parse
 
 ROOT = __import__("pathlib").Path(__file__).resolve().parents[2]
 SUITE = ROOT / "configs" / "ablations" / "repair"
@@ -242,15 +242,7 @@ def test_random_episodes_match_the_reference_step_by_step(seed, data, repair_rew
     env.reset(p)
     shown, link, answers, failed = None, 0, 0, False
     while True:
-        kind = data.draw(st.sampled_from(_KINDS))
-        _, left, op, right = links[min(link, len(links) - 1)]
-        x = int(left) if shown is None else shown
-        action = {
-            "gold": f"<calc>{x}{op}{right}</calc>\n", "miscopy": f"<calc>{x + 1}{op}{right}</calc>\n",
-            "estimate": f"<est>{x}{op}{right}</est>\n", "answer_shown": f"A: {shown}\n",
-            "answer_gold": f"A: {values[-1]}\n", "answer_wrong": f"A: {values[-1] + 1}\n",
-            "garbage": "<calc" + str(x) + "\n", "name": f"<calc>{'abcd'[min(max(link - 1, 0), 3)]}{op}{right}</calc>\n",
-        }[kind]
+        action = chain_action(data.draw(st.sampled_from(_KINDS)), links, values, link, shown)
         result = env.step(action)
         assert (result.observation, result.reward, result.done) == ref.step(action), (p.text, action)
         if "attempt" in result.info:

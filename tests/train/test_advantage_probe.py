@@ -130,12 +130,19 @@ def two_turns(prompt_id, final_reward):
                       info={"error": None, "num_turns": 2})  # fmt: skip
 
 
-def test_the_probe_compares_each_decision_with_its_monte_carlo_advantage():
+def scripted_probe():
+    """A probe whose own rollouts are two two-turn episodes of its first two prompts (rewards 1 and 0)
+    and whose continuations return V̂ = (0, 1) and (1, 0): (state, probe, first id, second id)."""
     run, state, graphs, probe = tiny_probe()
     first, second = probe.prompts[0].id, probe.prompts[1].id
     rollouts = [two_turns(first, 1.0), two_turns(second, 0.0)]
     value = {(first, 0): 0.0, (first, 1): 1.0, (second, 0): 1.0, (second, 1): 0.0}
     probe.loop = ScriptedLoop(rollouts, value)
+    return state, probe, first, second
+
+
+def test_the_probe_compares_each_decision_with_its_monte_carlo_advantage():
+    state, probe, first, second = scripted_probe()
     # The estimator's advantage on each token is its position + 10 × row: a0 reads 2 (row 0) and 12.
     probe._advantages = lambda state, batch: np.arange(batch.tokens.shape[1])[None, :] + 10.0 * np.arange(
         batch.tokens.shape[0])[:, None]
@@ -165,11 +172,7 @@ def test_the_config_refuses_a_probe_it_cannot_run(override, message):
 
 
 def test_a_rollout_whose_replay_differs_from_it_is_left_out_and_counted():
-    run, state, graphs, probe = tiny_probe()
-    first, second = probe.prompts[0].id, probe.prompts[1].id
-    rollouts = [two_turns(first, 1.0), two_turns(second, 0.0)]
-    value = {(first, 0): 0.0, (first, 1): 1.0, (second, 0): 1.0, (second, 1): 0.0}
-    probe.loop = ScriptedLoop(rollouts, value)
+    state, probe, first, second = scripted_probe()
     original = probe.loop.rollout
 
     def rollout(weights, items, key):  # the replays of `second` read token 8 where its rollout has 7
