@@ -122,6 +122,9 @@ class LossConfig:
     # PPO value clipping of the critic's RL updates: each of a step's K value updates is clipped to ±ε
     # around the critic's values before the first (so it needs K >= 2). None: no clipping (SAO's).
     value_clip_eps: float | None = ranged(None, POSITIVE)
+    # β of the KL penalty toward the frozen warm start, added to every policy loss (losses.kl_penalty).
+    # 0: no penalty and no reference copy of the policy (SAO's).
+    kl_coef: float = ranged(0.0, NON_NEGATIVE)
 
     def problems(self) -> list[tuple[str, str]]:
         out = [] if self.name in POLICY_LOSSES else [("name", _not_one_of(self.name, POLICY_LOSSES))]

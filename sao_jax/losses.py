@@ -314,6 +314,25 @@ POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
 }
 
 
+# ----------------------------------------------------------------------------- KL penalty
+
+def kl_penalty(logp: Array, reference_logp: Array, action_mask: Array) -> Array:
+    """Token-mean k3 estimate of the KL to a frozen reference: Σ_t k_t / N over action tokens,
+    k_t = exp(δ_t) − δ_t − 1, δ_t = log π_ref(a_t) − log π_θ(a_t) (Schulman's low-variance estimator,
+    verl's "low_var_kl"; k_t ≥ 0, and 0 iff the two log-probs agree).
+
+    On tokens sampled from π_θ, E[k_t] = KL(π_θ ‖ π_ref) at that position, while the gradient of this
+    loss, E[(1 − π_ref/π_θ) ∇log π_θ] = Σ_a (π_θ − π_ref) ∇log π_θ(a) = ∇KL(π_ref ‖ π_θ), is that of
+    the mass-covering KL: it grows without bound as π_θ(a) → 0 for an action the reference takes, so a
+    penalised policy keeps every option of the reference alive. `reference_logp` carries no gradient.
+    """
+    chex.assert_equal_shape([logp, reference_logp, action_mask])
+    is_action = action_mask.astype(bool)
+    # Zero δ off the action tokens, so padding with non-finite log-probs cannot leak NaN through exp.
+    delta = jnp.where(is_action, jax.lax.stop_gradient(reference_logp) - logp, 0.0)
+    return _masked_mean(jnp.exp(delta) - delta - 1.0, is_action)
+
+
 # ----------------------------------------------------------------------------- value loss
 
 def value_loss(

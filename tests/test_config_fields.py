@@ -104,6 +104,7 @@ def test_every_default_is_in_its_range():
     ("mesh.data=0", "mesh.data"),
     ("env.difficulty=[1, 0]", "env.difficulty"),
     ("loss.value_clip_eps=-0.1", "loss.value_clip_eps"),
+    ("loss.kl_coef=-0.1", "loss.kl_coef"),
     ("seed=-1", "seed"),
 ])  # fmt: skip
 def test_values_that_cannot_be_meant_are_refused_naming_the_key(override, key):
@@ -179,6 +180,7 @@ EFFECTS: dict[str, tuple[typing.Any, list[str]]] = {
     "loss.estr_tau": (2.0, ["loss.name=estr"]),
     "loss.estr_eps": (0.1, ["loss.name=estr"]),
     "loss.value_clip_eps": (0.2, []),
+    "loss.kl_coef": (0.05, []),
     "critic.updates_per_policy_update": (3, []),
     "critic.warmup_steps": (2, []),
     "critic.trainable_patterns": ([".*"], []),

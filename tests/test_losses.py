@@ -424,6 +424,55 @@ def test_losses_against_the_rollout_run_without_old_logp(name):
     assert np.isfinite(float(loss))
 
 
+# ----------------------------------------------------------------------------- KL penalty
+
+def test_kl_penalty_matches_verls_low_var_kl_in_plain_python():
+    # verl core_algos.kl_penalty(..., "low_var_kl"): kl = ref − logp; exp(kl) − kl − 1, averaged over
+    # the response mask. Written out token by token here, with padding tokens that hold -inf.
+    rng = np.random.default_rng(7)
+    logp = -rng.uniform(0.01, 3.0, (3, 9))
+    reference_logp = -rng.uniform(0.01, 3.0, (3, 9))
+    action_mask = rng.uniform(size=(3, 9)) < 0.7
+    action_mask[0, :2] = False
+    total, count = 0.0, 0
+    for b in range(3):
+        for t in range(9):
+            if action_mask[b, t]:
+                delta = reference_logp[b, t] - logp[b, t]
+                total += np.exp(delta) - delta - 1.0
+                count += 1
+    padded = np.where(action_mask, logp, -np.inf)
+    got = losses.kl_penalty(jnp.asarray(padded, jnp.float32), jnp.asarray(reference_logp, jnp.float32),
+                            jnp.asarray(action_mask))
+    np.testing.assert_allclose(float(got), total / count, rtol=1e-5)
+    assert float(losses.kl_penalty(jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(action_mask))) == 0.0
+
+
+def test_kl_penalty_gradient_on_policy_samples_is_the_mass_covering_kl_gradient():
+    # One state, a softmax policy over 4 actions with logits w. Weighting each action's loss by its
+    # probability (the expectation over on-policy samples, with π a constant as in sampling) must give
+    # the closed-form gradient of KL(π_ref ‖ π_w) = Σ_a π_ref(a) (log π_ref(a) − log π_w(a)).
+    rng = np.random.default_rng(3)
+    w = jnp.asarray(rng.normal(size=4), jnp.float32)
+    reference_logp = jnp.asarray(np.log(rng.dirichlet(np.ones(4))), jnp.float32)
+    probs = jax.nn.softmax(w)
+    mask = jnp.ones((1, 1), bool)
+
+    def expected_loss(weights):
+        logp = jax.nn.log_softmax(weights)
+        per_action = [losses.kl_penalty(logp[a].reshape(1, 1), reference_logp[a].reshape(1, 1), mask)
+                      for a in range(4)]
+        return sum(probs[a] * per_action[a] for a in range(4))
+
+    def mass_covering_kl(weights):
+        return jnp.sum(jnp.exp(reference_logp) * (reference_logp - jax.nn.log_softmax(weights)))
+
+    # ∇_w KL(π_ref ‖ π_w) = π_w − π_ref for softmax logits, by hand.
+    by_hand = np.asarray(probs) - np.exp(np.asarray(reference_logp))
+    np.testing.assert_allclose(np.asarray(jax.grad(mass_covering_kl)(w)), by_hand, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.grad(expected_loss)(w)), by_hand, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- value loss
 
 def _value_data(seed):

@@ -57,8 +57,8 @@ class TrainState:
 
     `*_params` are the `nnx.Param` leaves; `*_buffers` the models' other variables (e.g. GLM's
     `e_score_correction_bias`), carried so `nnx.merge(graphdef, params, buffers)` rebuilds the model.
-    `reference_params`: the frozen reference policy's params for estimators that read one (TRACE;
-    `freeze_reference` sets them), else None. It shares `policy_buffers`, which no step changes.
+    `reference_params`: the frozen reference policy's params when an estimator reads one (TRACE) or
+    the policy loss is penalised toward it (`loss.kl_coef` > 0); `freeze_reference` sets them, else None. It shares `policy_buffers`, which no step changes.
     """
 
     policy_params: Any
@@ -298,6 +298,11 @@ def _trace_advantages(state: TrainState, batch: TraceBatch, graphs: Graphs, conf
     return advantages, metrics
 
 
+def keeps_reference(config: Config) -> bool:
+    """Whether a run needs the frozen reference policy: TRACE reads it, the KL penalty pulls toward it."""
+    return adv.ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference or config.loss.kl_coef > 0
+
+
 def freeze_reference(state: TrainState) -> TrainState:
     """`state` with its reference set to a copy of the current policy params (TRACE's reference is
     the initial policy after SFT); unchanged when the state keeps no reference."""
@@ -398,7 +403,9 @@ def estimator_advantages(state: TrainState, batch: TrajectoryBatch, graphs: Grap
 
 
 def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
-    """Advantages with λ_policy from the current critic (or a critic-free baseline), one policy step."""
+    """Advantages with λ_policy from the current critic (or a critic-free baseline), one policy step
+    on the configured loss plus, with `loss.kl_coef` = β > 0, β · `losses.kl_penalty` toward the frozen
+    reference (logged as `policy/kl_to_reference`)."""
     name = config.advantage.estimator
     estimator = adv.ADVANTAGE_ESTIMATORS[name]
     loss_cfg = config.loss
@@ -406,10 +413,17 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
     needs_old = loss_cfg.name in ("ppo_clip", "icepop")
     aux_coef = graphs.policy_aux_coef
 
+    kl_coef = loss_cfg.kl_coef
+
     def policy_update(state: TrainState, batch: TrajectoryBatch, key: jax.Array):
         del key
         baseline = state.baseline
         extra: Metrics = {}
+        reference_logp = None
+        if kl_coef > 0:
+            reference_logp, _ = policy_logprobs(graphs.policy, state.reference_params, state.policy_buffers, batch,
+                                                config)
+            reference_logp = jax.lax.stop_gradient(reference_logp)
         critic_fit: Metrics = {}
         if estimator.reference:
             advantages, extra = _trace_advantages(state, batch, graphs, config)
@@ -433,7 +447,11 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
                 rollout_entropy=batch.rollout_entropy,
             )
             loss, metrics = policy_loss(inputs)
-            return loss + aux_coef * aux_loss, {**metrics, "loss": loss, "router_aux_loss": aux_loss}
+            total = loss + aux_coef * aux_loss
+            if reference_logp is not None:
+                kl = losses.kl_penalty(logp, reference_logp, batch.action_mask)
+                total, metrics = total + kl_coef * kl, {**metrics, "kl_to_reference": kl}
+            return total, {**metrics, "loss": loss, "router_aux_loss": aux_loss}
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.policy_params)
         params, opt_state = _optimizer_step(policy_tx, state.policy_params, state.policy_opt_state, grads)
@@ -538,11 +556,11 @@ def make_train_state(
     num_prompts: int = 1,
 ) -> tuple[TrainState, Graphs]:
     """Split the models, initialise both optimizer states and the running-mean baseline; keep a
-    reference copy of the policy when the estimator reads one (`freeze_reference` re-takes it)."""
+    reference copy of the policy when the estimator reads one or the loss is penalised toward it
+    (`freeze_reference` re-takes it)."""
     policy_graph, policy_params, policy_buffers = split_model(policy)
     critic_graph, critic_params, critic_buffers = split_model(critic)
     scope_keys = num_prompts if config.advantage.running_mean_scope == "per_prompt" else 1
-    estimator = adv.ADVANTAGE_ESTIMATORS[config.advantage.estimator]
     state = TrainState(
         policy_params=policy_params,
         policy_buffers=policy_buffers,
@@ -552,7 +570,7 @@ def make_train_state(
         critic_opt_state=critic_tx.init(critic_params),
         baseline=adv.running_mean_init(scope_keys, config.advantage.running_mean_window),
         step=jnp.zeros((), jnp.int32),
-        reference_params=jax.tree.map(jnp.copy, policy_params) if estimator.reference else None,
+        reference_params=jax.tree.map(jnp.copy, policy_params) if keeps_reference(config) else None,
     )
     graphs = Graphs(
         policy=policy_graph,

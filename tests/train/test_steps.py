@@ -83,7 +83,7 @@ def hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, **sett
 
 
 def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx, gamma=1.0, lam_critic=1.0,
-                       lam_policy=None, policy=True, value_clip_eps=None):  # fmt: skip
+                       lam_policy=None, policy=True, value_clip_eps=None, kl_coef=0.0):  # fmt: skip
     critic_params, critic_opt = state.critic_params, state.critic_opt_state
 
     def critic_forward(params):
@@ -112,17 +112,24 @@ def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx, ga
         lam_policy = 1.0 - 1.0 / (1.5 * jnp.sum(batch.action_mask, axis=1))
     advantages, _ = adv.skip_observation_gae(batch.rewards, values, batch.action_mask, gamma=gamma, lam=lam_policy)
 
-    def policy_objective(params):
+    def token_logp(params):
         model = nnx.merge(graphs.policy, params, state.policy_buffers)
         logits, _, aux = model.forward(batch.tokens, attention_mask=batch.valid_mask)
         logp = jax.nn.log_softmax(logits[:, :-1], axis=-1)
         logp = jnp.take_along_axis(logp, batch.tokens[:, 1:, None], axis=-1)[..., 0]
-        logp = jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], axis=1)
+        return jnp.concatenate([jnp.zeros_like(logp[:, :1]), logp], axis=1), aux
+
+    def policy_objective(params):
+        logp, aux = token_logp(params)
         ratio = jnp.exp(logp - batch.rollout_logprobs)
         keep = (ratio > 1 - config.loss.eps_low) & (ratio < 1 + config.loss.eps_high) & batch.action_mask
         keep = jax.lax.stop_gradient(keep)
         n = jnp.sum(batch.action_mask)
-        return -jnp.sum(jnp.where(keep, ratio * advantages, 0.0)) / n + graphs.policy_aux_coef * aux
+        objective = -jnp.sum(jnp.where(keep, ratio * advantages, 0.0)) / n + graphs.policy_aux_coef * aux
+        if kl_coef:  # k3 toward the frozen reference, over every action token
+            delta = jnp.where(batch.action_mask, token_logp(state.reference_params)[0] - logp, 0.0)
+            objective += kl_coef * jnp.sum(jnp.where(batch.action_mask, jnp.exp(delta) - delta - 1, 0.0)) / n
+        return objective
 
     grads = jax.grad(policy_objective)(state.policy_params)
     updates, policy_opt = policy_tx.update(grads, state.policy_opt_state, state.policy_params)
@@ -176,6 +183,26 @@ def test_value_clip_eps_clips_the_k_critic_updates_around_the_critic_before_them
     gaps = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), clipped, unclipped))
     assert max(gaps) > 1e-3  # the clip binds on the second update
     assert float(metrics["critic/clip_fraction"]) > 0
+
+
+def test_kl_coef_adds_the_k3_penalty_toward_the_frozen_reference(setup):
+    _, state, graphs, _, policy_tx, critic_tx = setup
+    config = load_config(None, ["critic.optimizer.lr=1.0", "policy.optimizer.lr=1.0", "loss.eps_low=0.99",
+                                "loss.eps_high=100.0", "loss.kl_coef=0.5"])  # fmt: skip
+    assert state.reference_params is None  # the default config keeps no reference
+    # A reference away from the policy, so the penalty and its gradient are not zero.
+    noise = jax.tree.map(lambda x: 0.3 * jax.random.normal(jax.random.key(1), x.shape, x.dtype), state.policy_params)
+    start = copy_state(state).replace(reference_params=jax.tree.map(jnp.add, state.policy_params, noise))
+    steps = steps_lib.build_steps(graphs, policy_tx, critic_tx, config)
+    batch = synthetic_batch(seed=8)
+    _, penalised = hand_written_ttur(config, start, graphs, batch, policy_tx, critic_tx, kl_coef=0.5)
+    _, plain = hand_written_ttur(config, start, graphs, batch, policy_tx, critic_tx)
+    new_state, metrics = steps.ttur_step(copy_state(start), batch, jax.random.key(0))
+    assert_params_close(new_state.policy_params, penalised)
+    gaps = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), penalised, plain))
+    assert max(gaps) > 1e-3
+    assert float(metrics["policy/kl_to_reference"]) > 0
+    jax.tree.map(np.testing.assert_array_equal, new_state.reference_params, start.reference_params)
 
 
 def test_critic_warmup_step_is_k_critic_updates_and_leaves_the_policy(setup):
