@@ -470,7 +470,8 @@ def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold:
     style S, the first logged step t ≥ s from which S's share is ≥ `threshold` on `hold` consecutive
     logged steps (within the segment before the next switch); steps = t − s, None if never.
     `held_majority`: S already had ≥ `threshold` of the switch step's trajectories (sampled before
-    any update on the new rewards), so the switch tests nothing: the policy had not left S."""
+    any update on the new rewards), so the switch tests nothing: the policy had not left S.
+    `window`: the steps from the switch to the next one (or to the last logged step, inclusive)."""
     logged = sorted((line["step"], line) for line in lines if line.get(TARGET_STYLE_KEY) is not None)
     steps = [s for s, _ in logged]
     targets = [line[TARGET_STYLE_KEY] for _, line in logged]
@@ -481,8 +482,9 @@ def realignment(lines: Sequence[Mapping[str, Any]], *, hold: int = 5, threshold:
         style = targets[start]
         ok = [(line.get(STYLE_SHARE_PREFIX + style) or 0.0) >= threshold for _, line in logged[start:end]]
         first = next((i for i in range(len(ok) - hold + 1) if all(ok[i:i + hold])), None)
+        window = (steps[end] if end < len(logged) else steps[-1] + 1) - steps[start]
         out.append({"switch_step": steps[start], "style": style, "held_majority": bool(ok and ok[0]),
-                    "steps": None if first is None else steps[start + first] - steps[start]})  # fmt: skip
+                    "steps": None if first is None else steps[start + first] - steps[start], "window": window})  # fmt: skip
     return out
 
 
@@ -772,22 +774,36 @@ def realigned_share(lines: Sequence[Mapping[str, Any]]) -> float | None:
     return sum(f["steps"] is not None for f in found) / len(found) if found else None
 
 
+def realign_steps(lines: Sequence[Mapping[str, Any]]) -> float | None:
+    """A run's mean steps to realign over its switches to a style it had left, a switch never realigned
+    counted as its whole window (censored at the phase length, so never realigning costs the most);
+    None without such a switch."""
+    found = [f for f in realignment(lines) if not f["held_majority"]]
+    return float(np.mean([f["window"] if f["steps"] is None else f["steps"] for f in found])) if found else None
+
+
 def realigned_share_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
-    """Per row: the share of switches realigned, mean ± 95 % CI over seeds, and its paired difference
-    to the reference row."""
-    shares = {row.name: {seed: share for seed, lines in runs.get(row.name, {}).items()
-                         if (share := realigned_share(lines)) is not None} for row in comparison.rows}  # fmt: skip
-    text = ["Share of switches realigned per run (%), mean ± 95 % CI over seeds, and Δ vs the reference "
-            "row paired by seed:", "", "| row | seeds | switches realigned % | Δ (paired) |", "|---|---|---|---|"]
+    """Per row, over seeds (mean ± 95 % CI) and paired by seed against the reference row: the share of
+    switches realigned, and the mean steps to realign with a switch never realigned counted as its
+    whole phase (`realign_steps`)."""
+    stats = {"share": realigned_share, "steps": realign_steps}
+    values = {(row.name, stat): {seed: v for seed, lines in runs.get(row.name, {}).items()
+                                 if (v := measure(lines)) is not None}
+              for row in comparison.rows for stat, measure in stats.items()}  # fmt: skip
+    text = ["Per run: the share of switches realigned (%), and the mean steps to realign with a switch never "
+            "realigned counted as its whole phase; mean ± 95 % CI over seeds, Δ vs the reference row paired by seed:",
+            "", "| row | seeds | switches realigned % | Δ (paired) | steps to realign | Δ (paired) |",
+            "|---|---|---|---|---|---|"]  # fmt: skip
     for row in comparison.rows:
-        by_seed = shares[row.name]
-        if not by_seed:
-            text.append(f"| {row.label} | 0 | not run | — |")
-            continue
-        mean, half, n = paired_difference(by_seed, shares[comparison.reference])
-        delta = ("—" if row.name == comparison.reference or n == 0
-                 else f"{100 * mean:+.1f}" + (" (1 seed)" if n == 1 else f" ± {100 * half:.1f}"))  # fmt: skip
-        text.append(f"| {row.label} | {len(by_seed)} | {_fmt(*mean_ci95(list(by_seed.values())))} | {delta} |")
+        cells = []
+        for stat, scale in (("share", 100.0), ("steps", 1.0)):
+            by_seed, reference = values[(row.name, stat)], values[(comparison.reference, stat)]
+            mean, half, n = paired_difference(by_seed, reference)
+            delta = ("—" if row.name == comparison.reference or n == 0
+                     else f"{scale * mean:+.1f}" + (" (1 seed)" if n == 1 else f" ± {scale * half:.1f}"))  # fmt: skip
+            cells += [_fmt(*mean_ci95(list(by_seed.values())), scale=scale) if by_seed else "not run", delta]
+        seeds = len(values[(row.name, "share")])
+        text.append(f"| {row.label} | {seeds} | " + " | ".join(cells) + " |")
     return text
 
 

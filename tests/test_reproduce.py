@@ -397,13 +397,16 @@ def test_realignment_counts_steps_until_the_new_style_holds_a_majority_for_five_
     chuuni = [0.0] * 20 + [0.6, 0.6, 0.6, 0.6, 0.1, 0.6]
     shares = [{"classical": a, "chuunibyou": b, "cute": 1 - a - b} for a, b in zip(classical, chuuni)]
     found = reproduce.realignment(style_lines(targets, shares))
-    assert found == [{"switch_step": 11, "style": "classical", "held_majority": False, "steps": 3},
-                     {"switch_step": 21, "style": "chuunibyou", "held_majority": True, "steps": None}]  # fmt: skip
+    assert found == [{"switch_step": 11, "style": "classical", "held_majority": False, "steps": 3, "window": 10},
+                     {"switch_step": 21, "style": "chuunibyou", "held_majority": True, "steps": None, "window": 6}]  # fmt: skip
     # Chuunibyou already held 0.6 of the switch step's trajectories: that switch tests nothing.
     assert reproduce.realigned_share(style_lines(targets, shares)) == 1.0  # 1 of the 1 switch that counts
     chuuni_late = [0.0] * 20 + [0.1, 0.6, 0.6, 0.6, 0.1, 0.6]
     late = [{"classical": a, "chuunibyou": b, "cute": 1 - a - b} for a, b in zip(classical, chuuni_late)]
     assert reproduce.realigned_share(style_lines(targets, late)) == 0.5  # 1 of 2: chuunibyou never holds 5 steps
+    # Steps to realign: classical 3, chuunibyou never, so it counts as its whole 6-step phase.
+    assert reproduce.realign_steps(style_lines(targets, late)) == (3 + 6) / 2
+    assert reproduce.realign_steps(style_lines(targets, shares)) == 3.0  # the held switch is left out
     assert reproduce.realigned_share(style_lines(["cute"] * 3, [{"cute": 1.0}] * 3)) is None  # no switch
 
 
@@ -419,7 +422,7 @@ def test_online_and_keep_rule_reports_from_synthetic_metrics(tmp_path):
     realign = {line.split("|")[1].strip(): line.split("|")[2].strip() for line in report.splitlines()
                if line.startswith("| ") and "realigned)" in line}  # fmt: skip
     assert realign == {"SAO": "1.0 ± 0.0 (2/2 realigned)", "running mean (global, 128)": "3.0 ± 0.0 (2/2 realigned)"}
-    assert "| running mean (global, 128) | 2 | 100.0 ± 0.0 | +0.0 ± 0.0 |" in report.splitlines()
+    assert "| running mean (global, 128) | 2 | 100.0 ± 0.0 | +0.0 ± 0.0 | 3.0 ± 0.0 | +2.0 ± 0.0 |" in report.splitlines()
     assert (tmp_path / "online" / "style_share.png").stat().st_size > 0
 
     for row, fraction in (("dis", [0.0, 0.01, 0.02]), ("estr", [0.1, 0.2, 0.3])):
