@@ -149,6 +149,9 @@ SUITES: dict[str, Suite] = {
     "online": Suite((Comparison(
         "success", "Online style shift: SAO vs running-mean baseline (global window 128)", "sao",
         (Row("sao", "SAO"), Row("running_mean", "running mean (global, 128)")), styles=True,
+        per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
+                  ("policy/advantage_first_action_token", "advantage at the first action token (the style choice)"),
+                  ("policy/kl_to_reference", "KL to the warm start")),
     ),), quick_overrides=("env.options.switches=[[0, cute], [2, chuunibyou], [4, classical]]",)),
     "open": Suite((
         Comparison("observation", "Open (a): skip- vs cross-observation GAE, guessing game, same critic",
