@@ -542,11 +542,12 @@ def test_quick_run_of_the_estr_row_calibrates_tau_trains_and_reports(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize(("suite", "row", "difficulty", "logged"), [
     ("chain", "sao", "[1,4]", "critic/before_updates/explained_variance"),
-    ("repair", "frozen_unseen", "[1]", "train/failed_test_share")])  # fmt: skip
-def test_quick_run_of_a_stress_suites_row_trains_on_chained_calls_and_reports(tmp_path, suite, row, difficulty, logged):
-    """The chain suite's reference row, and the repair suite's row whose test is unseen in SFT, end
-    to end with the real trainer on tiny budgets: episodes of several tool calls, the suite's
-    diagnostics in the metrics, the run in the report."""
+    ("repair", "frozen_unseen", "[1]", "train/failed_test_share"),
+    ("online", "sao", "[1]", "policy/kl_to_reference")])  # fmt: skip
+def test_quick_run_of_a_stress_suites_row_trains_and_reports(tmp_path, suite, row, difficulty, logged):
+    """The chain suite's reference row, the repair suite's row whose test is unseen in SFT, and the
+    online suite's SAO row (KL penalty toward the warm start), end to end with the real trainer on
+    tiny budgets: the suite's diagnostics in the metrics, the run in the report."""
     from sao_jax.train.loop import train
 
     path = reproduce.config_file(suite, row)
