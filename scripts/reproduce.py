@@ -531,9 +531,10 @@ def archive_runs(out: Path, suite: str, archive: Path) -> list[Path]:
             if in_place and (target / "metrics.jsonl.gz").exists():
                 continue
             target.mkdir(parents=True, exist_ok=True)
-            lines = read_run_metrics(folder)
-            with gzip.open(target / "metrics.jsonl.gz", "wt") as f:
-                f.writelines(json.dumps(line) + "\n" for line in lines)
+            text = "".join(json.dumps(line) + "\n" for line in read_run_metrics(folder))
+            # mtime 0 and no file name in the header: archiving the same run again writes the same bytes.
+            with open(target / "metrics.jsonl.gz", "wb") as raw, gzip.GzipFile("", "wb", fileobj=raw, mtime=0) as f:
+                f.write(text.encode())
             if not in_place:
                 for name in ("summary.json", "config.yaml"):
                     shutil.copyfile(folder / name, target / name)

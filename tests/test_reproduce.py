@@ -7,6 +7,7 @@ import json
 import math
 import pathlib
 import sys
+import time
 
 import pytest
 import yaml
@@ -580,6 +581,10 @@ def test_archived_runs_are_compressed_read_back_and_skipped_by_a_later_suite(tmp
     written = reproduce.archive_runs(tmp_path / "scratch", "table5", tmp_path / "kept")
     kept = reproduce.run_dir(tmp_path / "kept", "table5", "token_level", 0)
     assert written == [kept]
+    first_bytes = (kept / "metrics.jsonl.gz").read_bytes()
+    time.sleep(1.1)  # a gzip header's mtime has 1 s resolution
+    reproduce.archive_runs(tmp_path / "scratch", "table5", tmp_path / "kept")
+    assert (kept / "metrics.jsonl.gz").read_bytes() == first_bytes  # archived again: no change for git to see
     assert sorted(p.name for p in kept.iterdir()) == ["config.yaml", "metrics.jsonl.gz", "summary.json"]
     assert reproduce.load_runs(tmp_path / "kept", "table5", "token_level") == {0: lines}
     assert reproduce.run_one(reproduce.config_file("table5", "token_level"), kept, 0, [],
