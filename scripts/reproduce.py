@@ -811,8 +811,8 @@ def realigned_share_table(comparison: Comparison, runs: Mapping[str, Mapping[int
     return text
 
 
-def _band(ax, steps, mean, half, label):
-    (line,) = ax.plot(steps, mean, label=label)
+def _band(ax, steps, mean, half, label, color=None):
+    (line,) = ax.plot(steps, mean, label=label, color=color)
     if len(half) and not np.all(np.isnan(half)):
         ax.fill_between(steps, mean - half, mean + half, color=line.get_color(), alpha=0.2)
 
@@ -912,22 +912,33 @@ def plot_grad_norms(comparison: Comparison, runs: Mapping[str, Mapping[int, list
 
 
 def _plot_styles(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], folder: Path) -> Path:
+    """One panel per row: each style's per-step share (mean over seeds, 95 % band), on a background
+    tinted with the colour of the style rewarded in that phase."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(comparison.rows), figsize=(5.5 * len(comparison.rows), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(comparison.rows), figsize=(7 * len(comparison.rows), 4.2), squeeze=False)
+    colours: dict[str, str] = {}
     for ax, row in zip(axes[0], comparison.rows):
         seeds = list(runs.get(row.name, {}).values())
         keys = sorted({k for lines in seeds for line in lines for k in line if k.startswith(STYLE_SHARE_PREFIX)})
         for key in keys:
-            _band(ax, *per_step(seeds, key), key[len(STYLE_SHARE_PREFIX):])
-        for found in realignment(seeds[0]) if seeds else []:
-            ax.axvline(found["switch_step"], color="k", linestyle="--", linewidth=1)
-            ax.annotate(f"→ {found['style']}", (found["switch_step"], 1.0), fontsize=8, va="top")
+            style = key[len(STYLE_SHARE_PREFIX):]
+            colours.setdefault(style, f"C{len(colours)}")
+            _band(ax, *per_step(seeds, key), style, color=colours[style])
+        switches = realignment(seeds[0]) if seeds else []
+        first = next((line for line in seeds[0] if line.get(TARGET_STYLE_KEY) is not None), None) if seeds else None
+        if first is not None:  # the phase before the first switch
+            ax.axvspan(first["step"], switches[0]["switch_step"] if switches else first["step"] + 1,
+                       color=colours.get(first[TARGET_STYLE_KEY], "grey"), alpha=0.12, linewidth=0)
+        for found in switches:
+            end = found["switch_step"] + found["window"]
+            ax.axvspan(found["switch_step"], end, color=colours.get(found["style"], "grey"), alpha=0.12, linewidth=0)
+            ax.axvline(found["switch_step"], color="k", linestyle="--", linewidth=0.8)
         ax.set(title=f"{row.label} (n={len(seeds)})", xlabel="step", ylabel="share of trajectories", ylim=(0, 1.05))
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=8)
-    fig.suptitle("Per-step share of each style (dashed: switch of the rewarded style)")
+            ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=len(keys))
+    fig.suptitle("Per-step share of each style; background: the rewarded style after each switch (dashed)")
     fig.tight_layout()
     path = folder / "style_share.png"
     fig.savefig(path, dpi=100)
