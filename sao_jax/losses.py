@@ -322,9 +322,10 @@ def kl_penalty(logp: Array, reference_logp: Array, action_mask: Array) -> Array:
     verl's "low_var_kl"; k_t ≥ 0, and 0 iff the two log-probs agree).
 
     On tokens sampled from π_θ, E[k_t] = KL(π_θ ‖ π_ref) at that position, while the gradient of this
-    loss, E[(1 − π_ref/π_θ) ∇log π_θ] = Σ_a (π_θ − π_ref) ∇log π_θ(a) = ∇KL(π_ref ‖ π_θ), is that of
-    the mass-covering KL: it grows without bound as π_θ(a) → 0 for an action the reference takes, so a
-    penalised policy keeps every option of the reference alive. `reference_logp` carries no gradient.
+    loss, E[(1 − π_ref/π_θ) ∇log π_θ] = Σ_a (π_θ − π_ref) ∇log π_θ(a) = ∇KL(π_ref ‖ π_θ), is that
+    of the mass-covering KL: it grows without bound as π_θ(a) → 0 for an action the reference takes,
+    so a penalised policy keeps every option of the reference alive. `reference_logp` carries no
+    gradient.
     """
     chex.assert_equal_shape([logp, reference_logp, action_mask])
     is_action = action_mask.astype(bool)

@@ -771,18 +771,22 @@ def realignment_table(comparison: Comparison, runs: Mapping[str, Mapping[int, li
     return lines + ["", *realigned_share_table(comparison, runs)]
 
 
+def counted_switches(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The run's switches (`realignment`) to a style it had left: those not `held_majority`."""
+    return [f for f in realignment(lines) if not f["held_majority"]]
+
+
 def realigned_share(lines: Sequence[Mapping[str, Any]]) -> float | None:
-    """The share of a run's switches to a style it had left (not `held_majority`) after which it
-    realigned (`realignment`); None without such a switch."""
-    found = [f for f in realignment(lines) if not f["held_majority"]]
+    """The share of a run's counted switches after which it realigned; None without one."""
+    found = counted_switches(lines)
     return sum(f["steps"] is not None for f in found) / len(found) if found else None
 
 
 def realign_steps(lines: Sequence[Mapping[str, Any]]) -> float | None:
-    """A run's mean steps to realign over its switches to a style it had left, a switch never realigned
+    """A run's mean steps to realign over its counted switches, a switch never realigned
     counted as its whole window (censored at the phase length, so never realigning costs the most);
     None without such a switch."""
-    found = [f for f in realignment(lines) if not f["held_majority"]]
+    found = counted_switches(lines)
     return float(np.mean([f["window"] if f["steps"] is None else f["steps"] for f in found])) if found else None
 
 

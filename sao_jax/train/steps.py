@@ -58,7 +58,8 @@ class TrainState:
     `*_params` are the `nnx.Param` leaves; `*_buffers` the models' other variables (e.g. GLM's
     `e_score_correction_bias`), carried so `nnx.merge(graphdef, params, buffers)` rebuilds the model.
     `reference_params`: the frozen reference policy's params when an estimator reads one (TRACE) or
-    the policy loss is penalised toward it (`loss.kl_coef` > 0); `freeze_reference` sets them, else None. It shares `policy_buffers`, which no step changes.
+    the policy loss is penalised toward it (`loss.kl_coef` > 0); `freeze_reference` sets them, else
+    None. It shares `policy_buffers`, which no step changes.
     """
 
     policy_params: Any
@@ -412,7 +413,6 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
     policy_loss = _bind_policy_loss(loss_cfg)
     needs_old = loss_cfg.name in ("ppo_clip", "icepop")
     aux_coef = graphs.policy_aux_coef
-
     kl_coef = loss_cfg.kl_coef
 
     def policy_update(state: TrainState, batch: TrajectoryBatch, key: jax.Array):
