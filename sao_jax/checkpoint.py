@@ -150,14 +150,23 @@ def _cause(error: BaseException) -> str:
     return f"{type(error).__name__}: {first[:200]}{'…' if len(first) > 200 else ''}"
 
 
+# Checkpoint folders holding a step that failed to restore: late reports of reads there are dropped.
+_abandoned_directories: set[str] = set()
+
+
 def _from_an_abandoned_read(error: BaseException | None) -> bool:
     """Whether `error` is the late report of a read Orbax abandoned: when one array of a restore
     fails, the restore returns while the step's other reads are still in flight, and each later ends
-    as an unraisable coroutine (its error raised in Orbax's serialization) or as TensorStore calling
-    back into the event loop the restore has closed (printed through `sys.excepthook`)."""
+    as an unraisable coroutine or an asyncio task or future nobody awaits (its error raised in
+    Orbax's serialization, or a TensorStore error naming the step's folder), or as TensorStore
+    calling back into the event loop the restore has closed (printed through `sys.excepthook`)."""
+    if error is None:
+        return False
     if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
         return True
-    tb = error.__traceback__ if error is not None else None
+    if any(directory in str(error) for directory in _abandoned_directories):
+        return True
+    tb = error.__traceback__
     while tb is not None:
         if "orbax/checkpoint/_src/serialization" in tb.tb_frame.f_code.co_filename:
             return True
@@ -165,16 +174,22 @@ def _from_an_abandoned_read(error: BaseException | None) -> bool:
     return False
 
 
-_abandoned_reads_dropped = False
+class _AbandonedReadFilter(logging.Filter):
+    """Drops asyncio's "exception was never retrieved" record for an abandoned read; it is logged
+    whenever the task is collected, which may be long after the restore."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and _from_an_abandoned_read(record.exc_info[1]))
 
 
-def _drop_abandoned_reads() -> None:
-    """From now on, drop the reports of `_from_an_abandoned_read` (they arrive any time later, up to
-    the interpreter's exit) and pass every other unraisable or uncaught error to the hook it had."""
-    global _abandoned_reads_dropped
-    if _abandoned_reads_dropped:
+def _drop_abandoned_reads(directory: str) -> None:
+    """From now on, drop the reports of `_from_an_abandoned_read` under `directory` (they arrive any
+    time later, up to the interpreter's exit) and pass every other unraisable or uncaught error and
+    every other asyncio record on as before."""
+    first = not _abandoned_directories
+    _abandoned_directories.add(directory)
+    if not first:
         return
-    _abandoned_reads_dropped = True
     unraisable, excepthook = sys.unraisablehook, sys.excepthook
 
     def unraisable_hook(report: Any) -> None:
@@ -186,6 +201,7 @@ def _drop_abandoned_reads() -> None:
             excepthook(kind, error, tb)
 
     sys.unraisablehook, sys.excepthook = unraisable_hook, uncaught_hook
+    logging.getLogger("asyncio").addFilter(_AbandonedReadFilter())
 
 
 @contextlib.contextmanager
@@ -293,7 +309,7 @@ class Checkpointer:
             except ResumeError:
                 raise
             except Exception as error:  # noqa: BLE001 — any unreadable step is skipped, in one line
-                _drop_abandoned_reads()
+                _drop_abandoned_reads(str(self.directory))
                 unreadable.append((step, _cause(error)))
                 log.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, unreadable[-1][1])
                 continue

@@ -215,3 +215,30 @@ except ResumeError:
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert done.stdout.strip() == "refused" and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_abandoned_read_collected_after_the_restore_is_not_logged_and_other_errors_are(tmp_path):
+    """asyncio logs "Task exception was never retrieved" when the task is collected, which can be
+    long after the restore that abandoned it; only the reads of a folder that failed to restore are
+    dropped."""
+    script = f"""
+import asyncio, gc, logging
+from sao_jax.checkpoint import _drop_abandoned_reads
+logging.basicConfig()
+_drop_abandoned_reads({str(tmp_path)!r})
+
+async def fail(message):
+    raise ValueError(message)
+
+async def main():
+    tasks = [asyncio.ensure_future(fail(m)) for m in ({str(tmp_path / "0" / "state")!r}, "an unrelated failure")]
+    await asyncio.sleep(0.01)
+    tasks.clear()
+    gc.collect()
+
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "an unrelated failure" in done.stderr and "exception was never retrieved" in done.stderr
+    assert str(tmp_path) not in done.stderr, done.stderr
