@@ -59,11 +59,20 @@ def group_grad_norms(grads: Any) -> dict[str, jax.Array]:
     return {name: jnp.sqrt(total) for name, total in squares.items()}
 
 
+# The least explained variance `fit_metrics` can report (see there).
+EXPLAINED_VARIANCE_FLOOR = -1.0 - 2e6
+
+
 def fit_metrics(values: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:
     """Over the tokens of `mask`: explained variance 1 − Var[G − V] / Var[G] and mean squared error
-    mean (V − G)² (population variances, as `losses.value_loss` reports them). Where the targets are
-    constant (Var[G] ≤ 1e-6 · mean G², which float rounding leaves above 0) the explained variance is 0:
-    there is nothing to explain, and the ratio would be rounding noise over rounding noise."""
+    mean (V − G)² (population variances, as `losses.value_loss` reports them).
+
+    Where the targets are constant up to float rounding, Var[G] ≤ 1e-6 · (mean G² + mean V²), the
+    explained variance is 0: there is nothing to explain, and the ratio would divide by rounding
+    noise. The scale includes V because targets built from the values carry the values' rounding:
+    step-level returns A_i + V_i of a batch without reward are 0 up to ~1e-8, not exactly 0. So the
+    explained variance is bounded below: Var[G − V] ≤ 2 Var[V] + 2 Var[G] gives
+    EV ≥ −1 − 2·10⁶ = `EXPLAINED_VARIANCE_FLOOR`."""
     mask = mask.astype(bool)
     count = jnp.maximum(jnp.sum(mask), 1)
 
@@ -73,7 +82,7 @@ def fit_metrics(values: jax.Array, targets: jax.Array, mask: jax.Array) -> dict[
     error = values - targets
     target_variance = mean(jnp.square(targets - mean(targets)))
     error_variance = mean(jnp.square(error - mean(error)))
-    varies = target_variance > 1e-6 * mean(jnp.square(targets))
+    varies = target_variance > 1e-6 * (mean(jnp.square(targets)) + mean(jnp.square(values)))
     explained = jnp.where(varies, 1.0 - error_variance / jnp.where(varies, target_variance, 1.0), 0.0)
     return {"explained_variance": explained, "mse": mean(jnp.square(error))}
 

@@ -451,10 +451,10 @@ def rl_mean(lines: Sequence[Mapping[str, Any]], key: str) -> float | None:
 
 
 def last_stage_value(lines: Sequence[Mapping[str, Any]], stage: str, key: str) -> float | None:
-    """`key` on the last line of warm-start `stage` that logs it (e.g. the last value-pretraining
-    epoch's critic explained variance); None if none does."""
-    values = [line[key] for line in lines if line.get("stage") == stage and line.get(key) is not None]
-    return float(values[-1]) if values else None
+    """`key` on the last line of warm-start `stage` (e.g. the last value-pretraining epoch's critic
+    explained variance); None if there is no such line or it lacks `key`."""
+    last = next((line for line in reversed(lines) if line.get("stage") == stage), {})
+    return float(last[key]) if last.get(key) is not None else None
 
 
 def at_last_eval(lines: Sequence[Mapping[str, Any]], key: str) -> float | None:
@@ -519,6 +519,20 @@ def read_run_metrics(folder: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def without_impossible_fits(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """`lines` less each explained variance below `diagnostics.EXPLAINED_VARIANCE_FLOOR`, the least
+    `fit_metrics` can report. Runs logged before it treated targets that are constant up to rounding
+    as constant hold some (−1e14 and below, from batches without reward); each would swamp a mean
+    over seeds. The report reads these lines; the archive keeps the lines as logged."""
+    from sao_jax.diagnostics import EXPLAINED_VARIANCE_FLOOR
+
+    def possible(key: str, value: Any) -> bool:
+        return not (key.endswith("explained_variance") and isinstance(value, (int, float))
+                    and value < EXPLAINED_VARIANCE_FLOOR)  # fmt: skip
+
+    return [{k: v for k, v in line.items() if possible(k, v)} for line in lines]
+
+
 def archive_runs(out: Path, suite: str, archive: Path) -> list[Path]:
     """Copy each finished run of `suite` under `out` to the same place under `archive` as
     metrics.jsonl.gz, summary.json and config.yaml (what the report and a resumed suite read), so a
@@ -544,7 +558,8 @@ def archive_runs(out: Path, suite: str, archive: Path) -> list[Path]:
 
 def load_runs(out: Path, suite: str, row: str) -> dict[int, list[dict[str, Any]]]:
     """{seed: metrics lines} of the finished runs (summary.json written) of one row."""
-    return {seed: read_run_metrics(folder) for seed, folder in finished_runs(out, suite, row).items()}
+    return {seed: without_impossible_fits(read_run_metrics(folder))
+            for seed, folder in finished_runs(out, suite, row).items()}
 
 
 def load_warmups(out: Path, suite: str, row: str, runs: Mapping[int, list]) -> dict[int, int]:
@@ -738,7 +753,9 @@ def diagnostics_table(comparison: Comparison, runs: Mapping[str, Mapping[int, li
         defined.append(f"- level d success: at the last evaluation, the held-out success of the prompts of "
                        f"difficulty level d (`{LEVEL_PREFIX}<d>`).")  # fmt: skip
     text = ["Mechanism diagnostics: mean ± 95 % CI over seeds of one statistic per run; \"0 exactly\": 0 in every "
-            "run; \"—\": no run of the row logs it.", "",
+            "run; \"—\": no run of the row logs it; \"(k/n runs)\": k of the row's n runs log it (an explained "
+            "variance below −1 − 2·10⁶, less than `diagnostics.fit_metrics` can give, counts as not logged: runs "
+            "made before its rule for targets constant up to rounding hold a few, from batches without reward).", "",
             "| row | runs | " + " | ".join(c.header for c, _ in shown) + " |", "|" + "---|" * (len(shown) + 2)]  # fmt: skip
     for row in comparison.rows:
         found = per_row[row.name]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sao_jax import diagnostics, models
+from sao_jax import advantages, diagnostics, models
 from sao_jax.optim import param_path, param_paths
 
 # The group of each parameter of the tiny critic, written out by hand from its paths.
@@ -70,6 +70,26 @@ def test_fit_metrics_by_hand():
     # from pieces) explain nothing, rather than −1e13
     rounded = jnp.ones_like(targets).at[0, 0].add(1.2e-7)  # the next float32 above 1
     assert float(diagnostics.fit_metrics(values, rounded, mask)["explained_variance"]) == 0.0
+
+
+def test_fit_metrics_of_step_returns_without_reward_is_0_not_rounding_noise():
+    """Step-average returns A_i + V_i of a batch whose rewards are all 0 (γ = λ = 1) are 0 up to the
+    values' rounding; such a batch once logged an explained variance of −1.6e15."""
+    key_values, key_spans = jax.random.split(jax.random.key(0))
+    values = jax.random.uniform(key_values, (16, 40), minval=0.05, maxval=0.6)
+    action_mask = jax.random.bernoulli(key_spans, 0.7, (16, 40))
+    rewards = jnp.zeros((16, 40))
+    _, returns = advantages.step_gae(rewards, values, action_mask, gamma=1.0, lam=1.0, value_reduce="mean")
+    is_action = np.asarray(action_mask)
+    assert np.abs(np.asarray(returns)[is_action]).max() < 1e-5  # 0 up to rounding …
+    assert np.asarray(returns)[is_action].std() > 0  # … which is not exactly 0
+    assert float(diagnostics.fit_metrics(values, returns, action_mask)["explained_variance"]) == 0.0
+    # and a fit to real variance is still measured: targets spread over [0, 1] against V = 0.3
+    spread = jnp.linspace(0.0, 1.0, 40)[None].repeat(16, axis=0)
+    fit = diagnostics.fit_metrics(jnp.full((16, 40), 0.3), spread, jnp.ones((16, 40), bool))
+    assert float(fit["explained_variance"]) == pytest.approx(0.0, abs=1e-5)  # a constant V explains nothing
+    fit = diagnostics.fit_metrics(spread + 0.1, spread, jnp.ones((16, 40), bool))
+    assert float(fit["explained_variance"]) == pytest.approx(1.0, abs=1e-5)  # a shifted copy explains all
 
 
 def test_action_edge_advantages_by_hand():

@@ -240,6 +240,27 @@ def test_per_run_diagnostics_against_hand_computation():
     assert reproduce.at_last_eval(lines[:3], "eval/tool_share/est") is None
 
 
+def test_the_report_leaves_out_explained_variances_fit_metrics_cannot_give_and_the_archive_keeps_them(tmp_path):
+    from sao_jax.diagnostics import EXPLAINED_VARIANCE_FLOOR
+
+    ev, before = "critic/explained_variance", "critic/before_updates/explained_variance"
+    lines = [{"step": 0, "stage": "value_pretrain", ev: -1.6e15, "critic/mse": 0.09},
+             {"step": 0, "stage": "value_pretrain", ev: EXPLAINED_VARIANCE_FLOOR},  # the bound itself is possible
+             {"step": 1, before: -3.0, "policy/advantage_mean": -1e16},  # only explained variances are bounded
+             {"step": 2, before: -1e16}]  # fmt: skip
+    assert reproduce.without_impossible_fits(lines) == [
+        {"step": 0, "stage": "value_pretrain", "critic/mse": 0.09},
+        {"step": 0, "stage": "value_pretrain", ev: EXPLAINED_VARIANCE_FLOOR},
+        {"step": 1, before: -3.0, "policy/advantage_mean": -1e16}, {"step": 2}]  # fmt: skip
+    folder = reproduce.run_dir(tmp_path / "runs", "chain", "step_average", 0)
+    write_run(folder, [(0, 0.2), (5, 0.5)], extra=lines[:1], config={})
+    loaded = reproduce.load_runs(tmp_path / "runs", "chain", "step_average")[0]
+    assert reproduce.last_stage_value(loaded, "value_pretrain", ev) is None
+    assert reproduce.last_stage_value(loaded + lines[1:2], "value_pretrain", ev) == EXPLAINED_VARIANCE_FLOOR
+    reproduce.archive_runs(tmp_path / "runs", "chain", tmp_path / "kept")
+    kept = reproduce.read_run_metrics(reproduce.run_dir(tmp_path / "kept", "chain", "step_average", 0))
+    assert kept[-1][ev] == -1.6e15
+
 def write_run(folder, evals, *, finished=True, extra=(), config=None):
     folder.mkdir(parents=True)
     lines = [{"step": 0, "stage": "sft", "sft/nll": 2.0}]
