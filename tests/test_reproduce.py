@@ -261,6 +261,7 @@ def test_the_report_leaves_out_explained_variances_fit_metrics_cannot_give_and_t
     kept = reproduce.read_run_metrics(reproduce.run_dir(tmp_path / "kept", "chain", "step_average", 0))
     assert kept[-1][ev] == -1.6e15
 
+
 def write_run(folder, evals, *, finished=True, extra=(), config=None):
     folder.mkdir(parents=True)
     lines = [{"step": 0, "stage": "sft", "sft/nll": 2.0}]
