@@ -102,6 +102,10 @@ ROW_SETTINGS = {
     "repair/frozen_unseen": {"env.name": "repair", "env.options.demonstrate_repair": False},
     "repair/trained_unseen": {"env.name": "repair", "env.options.demonstrate_repair": False,
                               "critic.trainable_patterns": [".*"]},
+    "repair/skip_trained_attention": {"env.name": "repair", "advantage.estimator": "skip_observation_gae",
+                                      "critic.trainable_patterns": [".*"]},
+    "repair/cross_trained_attention": {"env.name": "repair", "advantage.estimator": "cross_observation_gae",
+                                       "critic.trainable_patterns": [".*"]},
 }  # fmt: skip
 
 
@@ -125,7 +129,9 @@ def test_sao_rows_are_the_default_and_paired_rows_share_everything_but_their_var
     assert dis["train.mode"] == "async"
     pairs = {("skip_observation", "cross_observation"): {"advantage.estimator"},
              ("frozen_unseen", "trained_unseen"): {"critic.trainable_patterns"},
-             ("skip_observation", "frozen_unseen"): {"env.options.demonstrate_repair"}}  # fmt: skip
+             ("skip_observation", "frozen_unseen"): {"env.options.demonstrate_repair"},
+             ("skip_trained_attention", "cross_trained_attention"): {"advantage.estimator"},
+             ("skip_observation", "skip_trained_attention"): {"critic.trainable_patterns"}}  # fmt: skip
     for (a, b), differ in pairs.items():
         a, b = (flatten(plain(load_config(ABLATIONS / "repair" / f"{name}.yaml"))) for name in (a, b))
         assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == differ
