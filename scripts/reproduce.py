@@ -115,6 +115,10 @@ class Suite:
         return tuple(row for c in self.comparisons for row in c.rows)
 
 
+# The repair suite's skip/cross comparisons plot the critic's fit beside the two outcomes of a test.
+REPAIR_OBSERVATION_CURVES = (("critic/before_updates/explained_variance", "critic explained variance before updates"),
+                             ("eval/failed_test_share", "held-out share failing the first test"),
+                             ("eval/repaired_share", "held-out share repaired"))
 SUITES: dict[str, Suite] = {
     "table4": Suite((Comparison(
         "success", "Table 4: single-rollout design ablations (+ GRPO+DIS)", "sao",
@@ -166,16 +170,12 @@ SUITES: dict[str, Suite] = {
         Comparison("observation", "Repair task: skip- vs cross-observation GAE, a failed test and one repair",
                    "skip_observation", (Row("skip_observation", "skip-observation GAE"),
                                         Row("cross_observation", "cross-observation GAE")),
-                   per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
-                             ("eval/failed_test_share", "held-out share failing the first test"),
-                             ("eval/repaired_share", "held-out share repaired"))),
+                   per_step=REPAIR_OBSERVATION_CURVES),
         Comparison("observation_trained_critic",
                    "Repair task, amended: skip- vs cross-observation GAE, critic attention trained",
                    "skip_trained_attention", (Row("skip_trained_attention", "skip-observation GAE"),
                                               Row("cross_trained_attention", "cross-observation GAE")),
-                   per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
-                             ("eval/failed_test_share", "held-out share failing the first test"),
-                             ("eval/repaired_share", "held-out share repaired"))),
+                   per_step=REPAIR_OBSERVATION_CURVES),
         Comparison("unseen", "Repair task: frozen vs trained critic attention, the test never in SFT", "frozen_unseen",
                    (Row("frozen_unseen", "frozen attention"), Row("trained_unseen", "trained attention")),
                    per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
