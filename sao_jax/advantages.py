@@ -341,12 +341,17 @@ class Estimator:
 
     gae: `(batch, values, gamma, lam) -> (advantages, returns)` for critic-based rows, else None.
     value_mask: `batch -> mask` of the tokens the critic is trained on.
+    recursion_length: `batch -> [batch]` the number of steps the advantage recursion takes over a
+        sequence's response, the `l` of the length-adaptive λ (`length_adaptive_lambda`): its action
+        tokens for skip-observation and step GAE, every token from the first action on for
+        cross-observation GAE, whose recursion steps through the observations too.
     grouped: compares the G = `advantage.group_size` rollouts of a prompt (needs G >= 2).
     reference: reads the frozen reference policy and a `TraceBatch`.
     """
 
     gae: Callable[..., tuple[Array, Array]] | None
     value_mask: Callable[[Any], Array] = lambda batch: batch.action_mask
+    recursion_length: Callable[[Any], Array] = lambda batch: jnp.sum(batch.action_mask, axis=1)
     grouped: bool = False
     reference: bool = False
 
@@ -362,6 +367,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
             b.rewards, values, b.action_mask, b.valid_mask, gamma=gamma, lam=lam
         ),
         value_mask=lambda b: b.valid_mask,  # (ours) every valid token is a step, so every one has a target
+        recursion_length=lambda b: response_length(b.action_mask, b.valid_mask),
     ),
     "step_gae_mean": Estimator(_on_batch(step_gae, value_reduce="mean")),
     "step_gae_last": Estimator(_on_batch(step_gae, value_reduce="last")),
@@ -374,13 +380,24 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
 """The config's `advantage.estimator` names: read by config validation and by the step builder."""
 
 
-def length_adaptive_lambda(num_action_tokens: Array, alpha) -> Array:
+def response_length(action_mask: Array, valid_mask: Array) -> Array:
+    """`[batch]` number of valid tokens from the first action token to the end (observations
+    included): the tokens the cross-observation recursion steps through; 0 with no action token."""
+    _check_token_arrays(action_mask, valid_mask)
+    after_first_action = jnp.cumsum(action_mask.astype(jnp.int32), axis=1) > 0
+    return jnp.sum(after_first_action & valid_mask.astype(bool), axis=1)
+
+
+def length_adaptive_lambda(recursion_length: Array, alpha) -> Array:
     """Length-adaptive λ = 1 − 1/(α·l), clipped to [0, 1) (VAPO §4; α = 1.5 in SAO, 0.05 in VAPO).
 
-    `l` = the sequence's number of action tokens (`[batch]`); l = 0 gives λ = 0. The upper clip
-    keeps λ < 1 where float32 would round 1 − 1/(α·l) up to 1.
+    `l` (`[batch]`) = the number of steps the advantage recursion takes over the sequence
+    (`Estimator.recursion_length`): VAPO's response length, counted in the recursion's steps, so
+    that the horizon 1/(1 − λ) = α·l is the same fraction of every sequence, whichever tokens the
+    estimator steps through. l = 0 gives λ = 0. The upper clip keeps λ < 1 where float32 would round
+    1 − 1/(α·l) up to 1.
     """
-    length = jnp.asarray(num_action_tokens, jnp.float32)
+    length = jnp.asarray(recursion_length, jnp.float32)
     lam = 1.0 - 1.0 / (alpha * length)
     return jnp.clip(lam, 0.0, jnp.nextafter(jnp.float32(1), jnp.float32(0)))
 
@@ -503,6 +520,22 @@ def running_mean_advantages(state: RunningMeanState, keys: Array, rewards: Array
 
     state, advantages = jax.lax.scan(apply, state, (keys, rewards.astype(jnp.float32), valid))
     return advantages, state
+
+
+def running_mean_window_fill(state: RunningMeanState, keys: Array, valid: Array | None = None) -> Array:
+    """How many earlier rewards each element's baseline averages: `min(n_b, window)`, where n_b is
+    the key's count in `state` plus the valid elements with the same key earlier in the batch (the
+    order `running_mean_advantages` applies them in). 0 means an empty window, i.e. baseline 0.
+
+    Returns float32 `[batch]`, 0 for invalid elements.
+    """
+    chex.assert_rank(keys, 1)
+    window = state.rewards.shape[1]
+    valid = jnp.ones(keys.shape, bool) if valid is None else valid.astype(bool)
+    index = jnp.arange(keys.shape[0])
+    earlier_same_key = (keys[None, :] == keys[:, None]) & (index[None, :] < index[:, None]) & valid[None, :]
+    seen = state.count[keys] + jnp.sum(earlier_same_key, axis=1)
+    return jnp.where(valid, jnp.minimum(seen, window), 0).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------

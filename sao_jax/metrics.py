@@ -154,7 +154,9 @@ PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...
      (("critic/grad_norm/", "critic"), ("policy/grad_norm/", "policy"))),
     ("advantage.png", "Advantage over action tokens",
      ((("policy/advantage_first_action_token", "policy/advantage_last_action_token", "policy/advantage_mean"),
-       "mean: first token of each action, last token, every action token"), ("policy/advantage_std", "spread"))),
+       "mean: first token of each action, last token, every action token"), ("policy/advantage_std", "spread"),
+      (("advantage/window_fill", "advantage/window_empty"),
+       "running-mean window: earlier rewards it holds; share of empty windows (baseline 0)"))),
     ("keep_rule.png", "Keep rule",
      (("policy/masked_fraction", "masked fraction"), ("policy/masked_entropy_mean", "masked-token entropy"))),
     ("tools.png", "Tool choice (calculator: the estimator is the weak demonstrator's tool)",
@@ -175,6 +177,20 @@ def _panel_keys(metrics: str | tuple[str, ...], lines: list[Mapping[str, Any]]) 
     return [key for key in keys if any(line.get(key) is not None for line in lines)]
 
 
+def legend_labels(keys: list[str]) -> list[str]:
+    """Short legend labels for one panel's keys: the "/"-separated components in which they differ
+    (`critic/before_updates/explained_variance`, `critic/after_updates/explained_variance` ->
+    `before_updates`, `after_updates`)."""
+    parts = [key.split("/") for key in keys]
+    head = 0
+    while all(len(p) > head + 1 for p in parts) and len({p[head] for p in parts}) == 1:
+        head += 1
+    tail = 0
+    while all(len(p) > head + tail + 1 for p in parts) and len({p[-1 - tail] for p in parts}) == 1:
+        tail += 1
+    return ["/".join(p[head:len(p) - tail]) for p in parts]
+
+
 def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None = None) -> list[Path]:
     """Write `plots/*.png` from a run's metrics; a plot whose metrics never appeared is skipped."""
     import matplotlib
@@ -192,11 +208,11 @@ def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None =
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.5), squeeze=False)
         for ax, (keys, metrics, label) in zip(axes[0], present):
-            for key in keys:
+            for key, legend in zip(keys, legend_labels(keys)):
                 points = [(line["step"], line[key]) for line in lines if line.get(key) is not None]
                 steps, values = zip(*points)
                 ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3,
-                        label=key.rsplit("/", 1)[-1] if len(keys) > 1 else None)  # fmt: skip
+                        label=legend if len(keys) > 1 else None)  # fmt: skip
             if isinstance(metrics, str) and metrics.endswith("grad_norm/"):
                 ax.set_yscale("symlog", linthresh=1e-6)  # a frozen group's norm is exactly 0
             if len(keys) > 1:

@@ -177,21 +177,39 @@ def _outcome_advantages(name: str, batch: TrajectoryBatch, baseline, config: Con
     outcome = jnp.sum(jnp.where(batch.valid_mask, batch.rewards, 0.0), axis=1)
     real = batch.prompt_id >= 0
     if name == "running_mean":
-        per_prompt = config.advantage.running_mean_scope == "per_prompt"
-        keys = jnp.maximum(batch.prompt_id, 0) if per_prompt else jnp.zeros_like(batch.prompt_id)
-        advantage, baseline = adv.running_mean_advantages(baseline, keys, outcome, valid=real)
+        advantage, baseline = adv.running_mean_advantages(baseline, running_mean_keys(batch, config), outcome, valid=real)
         return advantage, baseline
     groups = outcome.reshape(-1, config.advantage.group_size)
     grouped = adv.grpo_advantages(groups) if name == "grpo" else adv.rloo_advantages(groups)
     return grouped.reshape(-1), baseline
 
 
+def running_mean_keys(batch: TrajectoryBatch, config: Config) -> jax.Array:
+    """The running mean's key per row: the prompt id (`advantage.running_mean_scope: per_prompt`,
+    SAO §4.3) or 0 for every row (`global`, SAO §4.5)."""
+    if config.advantage.running_mean_scope == "per_prompt":
+        return jnp.maximum(batch.prompt_id, 0)
+    return jnp.zeros_like(batch.prompt_id)
+
+
+def window_fill_metrics(baseline: adv.RunningMeanState, batch: TrajectoryBatch, config: Config) -> Metrics:
+    """`advantage/window_fill`: the mean number of earlier rewards in the running-mean windows the
+    batch's trajectories read (`advantages.running_mean_window_fill`), and `advantage/window_empty`:
+    the share of trajectories whose window is empty (baseline 0: no baseline at all)."""
+    real = batch.prompt_id >= 0
+    fill = adv.running_mean_window_fill(baseline, running_mean_keys(batch, config), valid=real)
+    return {"advantage/window_fill": adv.masked_mean(fill, real),
+            "advantage/window_empty": adv.masked_mean((fill == 0).astype(jnp.float32), real)}
+
+
 def policy_lambda(batch: TrajectoryBatch, config: Config) -> jax.Array:
-    """λ_policy per sequence: length-adaptive `1 − 1/(α·l)` when α is set, else the fixed value."""
+    """λ_policy per sequence: length-adaptive `1 − 1/(α·l)` when α is set, with l the estimator's
+    recursion length (`Estimator.recursion_length`), else the fixed value."""
     alpha = config.advantage.length_adaptive_alpha
     if alpha is None:
         return jnp.full(batch.tokens.shape[:1], config.advantage.lam_policy, jnp.float32)
-    return adv.length_adaptive_lambda(jnp.sum(batch.action_mask, axis=1), alpha)
+    estimator = adv.ADVANTAGE_ESTIMATORS[config.advantage.estimator]
+    return adv.length_adaptive_lambda(estimator.recursion_length(batch), alpha)
 
 
 # ------------------------------------------------------------------------------------ TRACE
@@ -425,6 +443,7 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
                                                 config)
             reference_logp = jax.lax.stop_gradient(reference_logp)
         critic_fit: Metrics = {}
+        baseline_metrics = window_fill_metrics(state.baseline, batch, config) if name == "running_mean" else {}
         if estimator.reference:
             advantages, extra = _trace_advantages(state, batch, graphs, config)
         else:
@@ -466,7 +485,7 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
             **extra,
         }
         state = state.replace(policy_params=params, policy_opt_state=opt_state, baseline=baseline)
-        return state, ({f"policy/{k}": v for k, v in metrics.items()}
+        return state, ({f"policy/{k}": v for k, v in metrics.items()} | baseline_metrics
                        | {f"critic/after_updates/{k}": v for k, v in critic_fit.items()})  # fmt: skip
 
     return policy_update

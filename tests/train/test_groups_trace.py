@@ -117,6 +117,46 @@ def test_running_mean_reads_the_scope_and_skips_padding_rows(scope):
     np.testing.assert_array_equal(state.count, [2, 1] if per_prompt else [3])  # the padding row wrote nothing
 
 
+@pytest.mark.parametrize("scope", ["per_prompt", "global"])
+def test_window_fill_counts_the_rewards_each_baseline_averages(scope):
+    # A plain loop over the rows in order: the window of row b holds its key's earlier rewards, at
+    # most `window`; an empty one (fill 0) is baseline 0, i.e. no baseline.
+    rng = np.random.default_rng(11)
+    window, num_prompts = 3, 4
+    prompt_ids = [0, 2, 0, 0, 1, 0, 0, 2]
+    trajectories = [turn_trajectory(rng, i, 1, 1.0) for i in prompt_ids]
+    batch = jax.tree.map(jnp.asarray, collate(trajectories, batch_size=10, buckets=(48,)))  # 2 padding rows
+    config = load_config(None, [f"advantage.running_mean_scope={scope}", "advantage.estimator=running_mean",
+                                f"advantage.running_mean_window={window}"])  # fmt: skip
+    keys = prompt_ids if scope == "per_prompt" else [0] * len(prompt_ids)
+    baseline = adv.running_mean_init(num_prompts if scope == "per_prompt" else 1, window)
+    baseline = baseline._replace(count=baseline.count.at[2].set(5) if scope == "per_prompt" else baseline.count + 1)
+    seen = {k: int(baseline.count[k]) for k in set(keys)}
+    want = []
+    for k in keys:
+        want.append(min(seen[k], window))
+        seen[k] += 1
+    fill = adv.running_mean_window_fill(baseline, steps_lib.running_mean_keys(batch, config), batch.prompt_id >= 0)
+    np.testing.assert_array_equal(np.asarray(fill), [*want, 0, 0])
+    metrics = steps_lib.window_fill_metrics(baseline, batch, config)
+    np.testing.assert_allclose(float(metrics["advantage/window_fill"]), np.mean(want), rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["advantage/window_empty"]), np.mean(np.array(want) == 0), rtol=1e-6)
+
+
+@pytest.mark.parametrize("estimator, length", [("skip_observation_gae", 4), ("cross_observation_gae", 7),
+                                                ("step_gae_mean", 4)])
+def test_length_adaptive_lambda_counts_the_steps_of_each_recursion(estimator, length):
+    # One row by hand: 3 prompt tokens, an action of 2, an observation of 3, an action of 2, 2 padding.
+    # Skip-observation (and step) GAE recurse over the 4 action tokens; cross-observation over the 7
+    # tokens from the first action on. λ = 1 − 1/(α·l), α = 1.5.
+    action = np.array([[0, 0, 0, 1, 1, 0, 0, 0, 1, 1, 0, 0]], bool)
+    valid = np.array([[1] * 10 + [0, 0]], bool)
+    batch = types.SimpleNamespace(tokens=jnp.zeros(action.shape, jnp.int32), action_mask=jnp.asarray(action),
+                                  valid_mask=jnp.asarray(valid))
+    config = load_config(None, [f"advantage.estimator={estimator}"])
+    np.testing.assert_allclose(np.asarray(steps_lib.policy_lambda(batch, config)), [1 - 1 / (1.5 * length)], rtol=1e-6)
+
+
 def test_config_rejects_batches_of_partial_groups_and_groups_of_one():
     with pytest.raises(ConfigError, match=r"train.batch_size must be a multiple of advantage.group_size=4 \(got 6\)"):
         load_config(None, ["advantage.group_size=4", "train.batch_size=6"])
