@@ -26,6 +26,9 @@ from sao_jax.models.config import ATTENTIONS, DTYPES, MOE_DISPATCHES, PRESETS
 from sao_jax.optim import CRITIC_FROZEN_ATTENTION_TRAINABLE
 
 
+VALUE_HEADS = ("scalar", "hl_gauss")
+
+
 class ConfigError(UserError, ValueError):
     """A malformed config: says which key, where, and what would fix it."""
 
@@ -149,7 +152,8 @@ class CriticConfig:
     """The critic and TTUR (docs/algorithms.md §6–8)."""
 
     updates_per_policy_update: int = ranged(2, AT_LEAST_1)  # K in TTUR
-    warmup_steps: int = ranged(5, NON_NEGATIVE)  # critic-only steps before the first policy update (SAO: 10)
+    # Critic-only steps on fresh batches before RL step 1, on top of train.steps (SAO: 10).
+    warmup_steps: int = ranged(5, NON_NEGATIVE)
     # Regexes over "/"-joined parameter paths (sao_jax.optim): MoE projections + value head train,
     # attention, embeddings and norms are frozen. "w/o frozen attention" is `[".*"]`.
     trainable_patterns: tuple[str, ...] = CRITIC_FROZEN_ATTENTION_TRAINABLE
@@ -167,11 +171,28 @@ class CriticConfig:
     # the "w/o frozen attention" ablation then pretrains every parameter too, changing one thing.
     # `[".*"]`: every parameter trains in pretraining, the RL set after it.
     pretrain_trainable_patterns: tuple[str, ...] | None = None
+    # The value head (docs/algorithms.md §6): "scalar" regresses V on the return G with the squared
+    # error (SAO's); "hl_gauss" predicts a histogram of `value_bins` equal bins over `value_range`,
+    # trained by cross-entropy to the HL-Gauss target of G (Farebrother et al. 2024), V its mean.
+    value_head: str = "scalar"
+    value_bins: int = ranged(51, Range(2))
+    value_range: tuple[float, ...] = (-0.5, 1.5)  # (low, high): returns outside are clipped into it
+    hl_gauss_sigma: float = ranged(0.75, POSITIVE)  # the target's σ, in bin widths (the paper's 0.75)
 
     def problems(self) -> list[tuple[str, str]]:
-        return [(name, "must name at least one pattern (got [])") for name, patterns in
-                (("trainable_patterns", self.trainable_patterns),
-                 ("pretrain_trainable_patterns", self.pretrain_trainable_patterns)) if patterns == ()]  # fmt: skip
+        out = [(name, "must name at least one pattern (got [])") for name, patterns in
+               (("trainable_patterns", self.trainable_patterns),
+                ("pretrain_trainable_patterns", self.pretrain_trainable_patterns)) if patterns == ()]  # fmt: skip
+        if self.value_head not in VALUE_HEADS:
+            out.append(("value_head", _not_one_of(self.value_head, VALUE_HEADS)))
+        if len(self.value_range) != 2 or not self.value_range[0] < self.value_range[1]:
+            out.append(("value_range", f"must be [low, high] with low < high (got {list(self.value_range)})"))
+        return out
+
+    @property
+    def value_bins_or_scalar(self) -> int:
+        """The value head's width: `value_bins` for a histogram head, 0 for the scalar one."""
+        return self.value_bins if self.value_head == "hl_gauss" else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -381,6 +402,9 @@ class Config:
         if self.loss.value_clip_eps is not None and k < 2:
             out.append(("loss.value_clip_eps", f"needs critic.updates_per_policy_update >= 2: the clip is around the "
                                                f"critic before a step's first update (got K={k})"))  # fmt: skip
+        if self.loss.value_clip_eps is not None and self.critic.value_head != "scalar":
+            out.append(("loss.value_clip_eps", f"clips a scalar value head's squared error; critic.value_head="
+                                               f"{self.critic.value_head} has no value clipping (set it to null)"))  # fmt: skip
         return out
 
 

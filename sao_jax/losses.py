@@ -1,4 +1,4 @@
-"""Keep rules, policy losses and the value loss (docs/algorithms.md §4–6).
+"""Keep rules, policy losses and the value losses (docs/algorithms.md §4–6).
 
 All arrays are `[batch, time]`; masks are bool or 0/1 of the same shape. Every loss is a
 token-level mean: it sums over the action tokens of the whole batch and divides by
@@ -380,6 +380,61 @@ def value_loss(
         "value_mean": _masked_mean(values, is_action),
         "return_mean": _masked_mean(returns, is_action),
         "clip_fraction": _masked_mean((clipped & is_action).astype(jnp.float32), is_action),
+    }
+    return loss, metrics
+
+
+# ------------------------------------------------------------------- distributional value head
+
+def hl_gauss_support(low: float, high: float, bins: int) -> Array:
+    """The `bins + 1` edges `e_0 = low < … < e_B = high` of a histogram value head's equal bins."""
+    return jnp.linspace(low, high, bins + 1, dtype=jnp.float32)
+
+
+def hl_gauss_values(logits: Array, edges: Array) -> Array:
+    """The value a histogram head predicts: V = Σ_i softmax(logits)_i · c_i, c_i = (e_i + e_{i+1}) / 2.
+
+    logits `[..., B]`, edges `[B + 1]` (`hl_gauss_support`); returns `[...]` float32.
+    """
+    centers = (edges[:-1] + edges[1:]) / 2
+    return jnp.sum(jax.nn.softmax(logits.astype(jnp.float32), axis=-1) * centers, axis=-1)
+
+
+def hl_gauss_target(returns: Array, edges: Array, sigma: float) -> Array:
+    """HL-Gauss target histogram (Farebrother et al. 2024, "Stop Regressing", §3): the mass that
+    N(G, σ²), truncated to [e_0, e_B], puts in each bin,
+
+        p_i(G) = [Φ((e_{i+1} − G)/σ) − Φ((e_i − G)/σ)] / [Φ((e_B − G)/σ) − Φ((e_0 − G)/σ)].
+
+    returns `[...]`, edges `[B + 1]`; returns `[..., B]`, each row summing to 1. A return outside
+    [e_0, e_B] is clipped into it first (its mass would otherwise fall outside every bin).
+    """
+    g = jnp.clip(returns.astype(jnp.float32), edges[0], edges[-1])[..., None]
+    cdf = jax.scipy.special.ndtr((edges - g) / sigma)
+    return (cdf[..., 1:] - cdf[..., :-1]) / (cdf[..., -1:] - cdf[..., :1])
+
+
+def hl_gauss_value_loss(logits: Array, returns: Array, target_mask: Array, *, edges: Array, sigma: float):
+    """Critic loss of a histogram value head: cross-entropy to the HL-Gauss target of the return,
+
+        L = − Σ_t m_t Σ_i p_i(G_t) · log softmax(logits_t)_i / Σ_t m_t,
+
+    with p(G) = `hl_gauss_target` (σ = `critic.hl_gauss_sigma` bin widths). logits `[batch, time, B]`,
+    returns and target_mask `[batch, time]`. Metrics as `value_loss`'s (the fit of
+    V = `hl_gauss_values(logits)` to G; clip_fraction 0: no value clipping).
+    """
+    chex.assert_rank([logits, returns, target_mask], [3, 2, 2])
+    is_target = target_mask.astype(bool)
+    returns = jax.lax.stop_gradient(returns)
+    log_probs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    cross_entropy = -jnp.sum(hl_gauss_target(returns, edges, sigma) * log_probs, axis=-1)
+    loss = _masked_mean(cross_entropy, is_target)
+    values = jax.lax.stop_gradient(hl_gauss_values(logits, edges))
+    metrics = {
+        **fit_metrics(values, returns, is_target),
+        "value_mean": _masked_mean(values, is_target),
+        "return_mean": _masked_mean(returns, is_target),
+        "clip_fraction": jnp.zeros((), jnp.float32),
     }
     return loss, metrics
 

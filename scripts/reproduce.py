@@ -437,8 +437,12 @@ def rl_lines(lines: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
 
 
 def critic_warmup_steps(lines: Sequence[Mapping[str, Any]], config: Mapping[str, Any] | None = None) -> int:
-    """The run's critic-only warmup steps: `critic.warmup_steps` of its config.yaml; without one, the
-    last RL step whose line has `train/critic_warmup` set (0 if none)."""
+    """How many of the run's first RL steps were critic-only warmup. A run whose RL lines carry
+    `train/critic_warmup` spent its warmup inside the RL budget: `critic.warmup_steps` of its
+    config.yaml, or without one the last RL step flagged. A run without that key ran its warmup
+    before RL step 1 (lines at step 0, `"stage": "critic_warmup"`): 0."""
+    if not any(CRITIC_WARMUP_KEY in line for line in rl_lines(lines)):
+        return 0
     if config is not None and (config.get("critic") or {}).get("warmup_steps") is not None:
         return int(config["critic"]["warmup_steps"])
     return int(max((line["step"] for line in rl_lines(lines) if line.get(CRITIC_WARMUP_KEY)), default=0))

@@ -10,7 +10,7 @@ Walking the dataclasses of `sao_jax.config` recursively, every leaf field must
 A field added without either fails here, so a key that does nothing cannot come back unnoticed.
 
 "What a run is built from" (`built`), compared piece by piece, cheapest first: the device mesh, the
-RL schedule (warmup / evaluation / checkpoint of each step), the checkpoint folder, the run's pieces
+RL schedule (evaluation / checkpoint of each step), the checkpoint folder, the run's pieces
 (`build_run`: environment, prompts, the policy's architecture), its two agent loops (sampler and loop
 settings), and the jaxprs of the TTUR step and the value-pretraining update (on a fixed tiny model).
 """
@@ -117,6 +117,10 @@ def test_values_that_cannot_be_meant_are_refused_naming_the_key(override, key):
     (["critic.pretrain_rollouts=8", "train.batch_size=16"], "critic.pretrain_rollouts"),
     (["loss.value_clip_eps=0.2", "critic.updates_per_policy_update=1"], "loss.value_clip_eps"),
     (["critic.trainable_patterns=[]"], "critic.trainable_patterns"),
+    (["loss.value_clip_eps=0.2", "critic.value_head=hl_gauss"], "loss.value_clip_eps"),
+    (["critic.value_range=[1.0, 0.0]"], "critic.value_range"),
+    (["critic.value_range=[0.0]"], "critic.value_range"),
+    (["critic.value_head=histogram"], "critic.value_head"),
 ])  # fmt: skip
 def test_settings_that_contradict_each_other_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} "):
@@ -182,10 +186,13 @@ EFFECTS: dict[str, tuple[typing.Any, list[str]]] = {
     "loss.value_clip_eps": (0.2, []),
     "loss.kl_coef": (0.05, []),
     "critic.updates_per_policy_update": (3, []),
-    "critic.warmup_steps": (2, []),
     "critic.trainable_patterns": ([".*"], []),
     "critic.pretrain_lr": (1e-4, []),
     "critic.pretrain_trainable_patterns": ([".*"], []),
+    "critic.value_head": ("hl_gauss", []),
+    "critic.value_bins": (11, ["critic.value_head=hl_gauss"]),
+    "critic.value_range": ([0.0, 1.0], ["critic.value_head=hl_gauss"]),
+    "critic.hl_gauss_sigma": (0.5, ["critic.value_head=hl_gauss"]),
     "train.checkpoint_dir": ("/tmp/sao_fields_checkpoints", []),
     "train.steps": (5, []),
     "train.eval_every": (1, []),
@@ -212,6 +219,8 @@ ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
        for name in ("steps", "target_demonstration_probability", "check_every", "probe_prompts", "batch_size",
                     "weak_demonstration_fraction", "optimizer.lr", "optimizer.weight_decay", "optimizer.max_grad_norm",
                     "optimizer.warmup_steps", "cache_dir")},  # fmt: skip
+    "critic.warmup_steps": "the critic's warmup steps before RL step 1 (warm_start.run_critic_warmup): "
+                           "tests/train/test_real_inputs.py",
     "critic.pretrain_rollouts": "value pretraining's corpus (run_value_pretraining): tests/train/test_multiprocess.py",
     "critic.pretrain_epochs": "value pretraining's epochs (run_value_pretraining): tests/train/test_multiprocess.py",
     "train.batch_size": "the rows each batch source collates (rl_loop): tests/train/test_groups_trace.py",
@@ -233,14 +242,14 @@ def test_every_field_has_an_effect_test_or_a_documented_reason():
 
 
 @functools.cache
-def fixed_models():
+def fixed_models(config: Config):
     policy = Policy(tiny_qwen3_moe(), rngs=nnx.Rngs(0))
-    return policy, Critic.from_policy(policy, rngs=nnx.Rngs(1))
+    return policy, Critic.from_policy(policy, rngs=nnx.Rngs(1), value_bins=config.critic.value_bins_or_scalar)
 
 
 def step_jaxprs(config: Config) -> list[str]:
     """The jaxprs of the TTUR step and the value-pretraining update, on a fixed tiny model."""
-    policy, critic = fixed_models()
+    policy, critic = fixed_models(config)
     policy_tx, critic_tx = make_optimizers(config)
     state, graphs = steps_lib.make_train_state(policy, critic, policy_tx, critic_tx, config, num_prompts=8)
     batch = synthetic_batch()

@@ -230,6 +230,9 @@ def test_per_run_diagnostics_against_hand_computation():
     # Warmup: the config's critic.warmup_steps; without a config, the last step flagged train/critic_warmup.
     assert reproduce.critic_warmup_steps(lines, {"critic": {"warmup_steps": 2}}) == 2
     assert reproduce.critic_warmup_steps(lines) == 1 and reproduce.critic_warmup_steps(lines[:4]) == 0
+    # A run that warmed its critic up before RL step 1 has no warmup RL steps, whatever its config says.
+    unflagged = [{k: v for k, v in line.items() if k != "train/critic_warmup"} for line in lines]
+    assert reproduce.critic_warmup_steps(unflagged, {"critic": {"warmup_steps": 2}}) == 0
     key = "critic/before_updates/explained_variance"
     assert reproduce.median_after_warmup(lines, key, 1) == pytest.approx(0.6)  # median(0.9, 0.1, 0.5, 0.7)
     assert reproduce.median_after_warmup(lines, key, 0) == pytest.approx(0.5)  # median(−9, 0.9, 0.1, 0.5, 0.7)

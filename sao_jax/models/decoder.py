@@ -9,7 +9,8 @@ Parameter paths (the optimizer selects by them): `embed/embedding`, `layers/<i>/
 
 Calling convention (Policy and Critic alike):
   model(input_ids, positions=None, attention_mask=None) -> logits [batch, time, vocab] float32 (Policy)
-                                                       or values [batch, time] float32 (Critic)
+                                                       or values [batch, time] float32 (Critic; with
+                                                       value_bins, value logits [batch, time, bins])
   model.forward(input_ids, positions=None, attention_mask=None, cache=None) -> (out, cache, aux_loss)
 with `aux_loss` the router load-balancing loss averaged over MoE layers (0 without MoE layers; the
 trainer scales it by `config.router_aux_loss_coef`) and `cache` a `KVCache` (None in, None out).
@@ -199,38 +200,42 @@ class LMHead(nnx.Module):
 
 
 class ValueHead(nnx.Module):
-    """v = h·kernel + bias in float32. kernel ~ N(0, initializer_range²), bias 0: a fresh critic
-    predicts values near 0, and the trunk gets gradient from the first step."""
+    """v = h·kernel + bias in float32 (`bins` = 0), or, with `bins` = B > 0, B logits per token
+    `h·kernel + bias` (kernel [hidden, B]) of a distributional head (`sao_jax.losses.hl_gauss_values`).
+    kernel ~ N(0, initializer_range²), bias 0: a fresh scalar head predicts values near 0, a fresh
+    distributional one a near-uniform histogram, and the trunk gets gradient from the first step."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
-        kernel = config.initializer_range * jax.random.normal(rngs.params(), (config.hidden_size,), jnp.float32)
-        self.kernel = param(kernel, ("embed",))
-        self.bias = param(jnp.zeros((), jnp.float32), ())
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, bins: int = 0):
+        shape = (config.hidden_size, bins) if bins else (config.hidden_size,)
+        kernel = config.initializer_range * jax.random.normal(rngs.params(), shape, jnp.float32)
+        self.kernel = param(kernel, ("embed", None) if bins else ("embed",))
+        self.bias = param(jnp.zeros(shape[1:], jnp.float32), (None,) if bins else ())
 
     def __call__(self, hidden: jax.Array) -> jax.Array:
         return hidden.astype(jnp.float32) @ self.kernel[...] + self.bias[...]
 
 
 class Critic(Decoder):
-    """Decoder + scalar value head per token; `critic(input_ids, ...)` -> values [batch, time] float32."""
+    """Decoder + value head per token; `critic(input_ids, ...)` -> the head's output, float32:
+    values [batch, time] (`value_bins` = 0) or value-histogram logits [batch, time, value_bins]."""
 
-    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs, value_bins: int = 0):
         super().__init__(config, rngs=rngs)
-        self.value_head = ValueHead(config, rngs=rngs)
+        self.value_head = ValueHead(config, rngs=rngs, bins=value_bins)
 
     @classmethod
-    def from_policy(cls, policy: Policy, *, rngs: nnx.Rngs) -> Critic:
+    def from_policy(cls, policy: Policy, *, rngs: nnx.Rngs, value_bins: int = 0) -> Critic:
         """A critic whose decoder (embed, layers, final_norm) is a copy of `policy`'s and whose value
         head is fresh (from `rngs`). The copy owns its arrays, so donating either model's buffers is safe."""
-        critic = nnx.eval_shape(lambda: cls(policy.config, rngs=nnx.Rngs(0)))
+        critic = nnx.eval_shape(lambda: cls(policy.config, rngs=nnx.Rngs(0), value_bins=value_bins))
         for name in ("embed", "layers", "final_norm"):
             state = jax.tree.map(jnp.copy, nnx.state(getattr(policy, name)))
             nnx.update(getattr(critic, name), state)
-        critic.value_head = ValueHead(policy.config, rngs=rngs)
+        critic.value_head = ValueHead(policy.config, rngs=rngs, bins=value_bins)
         return critic
 
     def forward(self, input_ids, positions=None, attention_mask=None, cache: KVCache | None = None):
-        """(values float32 [batch, time], cache, aux_loss); see the module docstring."""
+        """(the value head's output float32 [batch, time] or [batch, time, bins], cache, aux_loss)."""
         hidden, cache, aux_loss = self.hidden_states(input_ids, positions, attention_mask, cache)
         return self.value_head(hidden), cache, aux_loss
 

@@ -31,7 +31,8 @@ from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster, ProcessRollouts
 
 # Stream ids folded into the seed so each consumer of randomness has its own stream.
-SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM, ADVANTAGE_PROBE_STREAM = range(7)
+(SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM, ADVANTAGE_PROBE_STREAM,
+ CRITIC_WARMUP_STREAM) = range(8)
 
 
 @dataclasses.dataclass
@@ -150,6 +151,13 @@ def env_options(config: Config) -> dict[str, Any]:
     if config.env.name == "style_shift" and "switches" in options:
         options["schedule"] = StyleSchedule(tuple(map(tuple, options.pop("switches"))))
     return options
+
+
+def new_critic(policy: models.Policy, config: Config) -> models.Critic:
+    """A fresh critic: `policy`'s decoder, copied, under the configured value head (`critic.value_head`),
+    initialised from the seed's INIT_STREAM."""
+    return models.Critic.from_policy(policy, rngs=nnx.Rngs(config.seed + INIT_STREAM),
+                                     value_bins=config.critic.value_bins_or_scalar)
 
 
 def policy_weights(state: steps_lib.TrainState, graphs: steps_lib.Graphs):

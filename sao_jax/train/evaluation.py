@@ -8,16 +8,14 @@ from typing import Any
 
 import jax
 import numpy as np
-from flax import nnx
 
-from sao_jax import models
 from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state
 from sao_jax.config import Config, to_dict
 from sao_jax.envs.judges import STYLES
 from sao_jax.rollout.agent_loop import AgentLoop
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import steps as steps_lib
-from sao_jax.train.build import INIT_STREAM, Run, build_run, checkpoint_dir, make_optimizers, policy_weights
+from sao_jax.train.build import Run, build_run, checkpoint_dir, make_optimizers, new_critic, policy_weights
 
 
 def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
@@ -90,7 +88,7 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     """Held-out evaluation of the newest readable checkpoint under `config.output_dir`."""
     run = build_run(config)
     policy_tx, critic_tx = make_optimizers(config)
-    critic = models.Critic.from_policy(run.policy, rngs=nnx.Rngs(config.seed + INIT_STREAM))
+    critic = new_critic(run.policy, config)
     state, graphs = steps_lib.make_train_state(
         run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
     )

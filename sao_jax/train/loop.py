@@ -22,7 +22,6 @@ import yaml
 from flax import nnx
 from tqdm.auto import tqdm
 
-from sao_jax import models
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, to_dict
@@ -32,10 +31,10 @@ from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.advantage_probe import AdvantageProbe
 from sao_jax.train.batches import LockstepBatches, StreamingBatches
-from sao_jax.train.build import INIT_STREAM, Run, build_run, checkpoint_dir, make_optimizers, policy_weights
+from sao_jax.train.build import Run, build_run, checkpoint_dir, make_optimizers, new_critic, policy_weights
 from sao_jax.train.evaluation import (evaluate, repair_metrics, rollout_metrics, run_summary, style_metrics,
                                      tool_metrics)
-from sao_jax.train.warm_start import run_sft, run_value_pretraining
+from sao_jax.train.warm_start import run_critic_warmup, run_sft, run_value_pretraining
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
     cluster = run.cluster
     policy_tx, critic_tx = make_optimizers(config)
 
-    critic = models.Critic.from_policy(run.policy, rngs=nnx.Rngs(config.seed + INIT_STREAM))
+    critic = new_critic(run.policy, config)
     state, graphs = steps_lib.make_train_state(
         run.policy, critic, policy_tx, critic_tx, config, num_prompts=len(run.train_prompts)
     )
@@ -104,9 +103,10 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
             state = cluster.place(steps_lib.freeze_reference(state.replace(policy_params=run_sft(run, writer))))
             # The critic starts from the warm-started policy (SAO initialises V from the policy).
             sft_policy = nnx.merge(graphs.policy, state.policy_params, state.policy_buffers)
-            critic = models.Critic.from_policy(sft_policy, rngs=nnx.Rngs(config.seed + INIT_STREAM))
+            critic = new_critic(sft_policy, config)
             state = cluster.place(state.replace(critic_params=steps_lib.split_model(critic)[1]))
             state = run_value_pretraining(run, state, graphs, rollout_loop, critic_tx, writer)
+            state = run_critic_warmup(run, state, graphs, steps.critic_warmup_step, rollout_loop, writer)
             writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
             writer.flush()
             checkpointer.save(0, state, {"step": 0})
@@ -131,12 +131,11 @@ def record_config(out: Path, config: Config, start_step: int) -> None:
         path.write_text(text)
 
 
-def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
-    """What RL step `step` (1-based) does: (critic-only warmup, evaluate after it, checkpoint after it)."""
+def rl_schedule(config: Config, step: int) -> tuple[bool, bool]:
+    """What RL step `step` (1-based) does after its update: (evaluate, checkpoint)."""
     train_cfg = config.train
     last = step == train_cfg.steps
-    return (step <= config.critic.warmup_steps, step % train_cfg.eval_every == 0 or last,
-            step % train_cfg.checkpoint_every == 0 or last)  # fmt: skip
+    return step % train_cfg.eval_every == 0 or last, step % train_cfg.checkpoint_every == 0 or last
 
 
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int,
@@ -175,13 +174,11 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             lost = float(np.abs(unassigned_reward(batch.rewards, batch.action_mask)).sum())
             if lost > 0:
                 raise RuntimeError(f"step {step}: reward {lost} sits before the first action token and cannot be credited")
-            warmup, evaluates, checkpoints = rl_schedule(config, step)
-            update = steps.critic_warmup_step if warmup else steps.ttur_step
-            state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
+            evaluates, checkpoints = rl_schedule(config, step)
+            state, metrics = steps.ttur_step(state, batch, jax.random.fold_in(base_key, step))
             line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls),
                     **repair_metrics(kept, "train", run.env_cls),
                     **style_metrics(kept, schedule), **source_metrics, **jax.device_get(metrics),
-                    "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
             if evaluates:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))

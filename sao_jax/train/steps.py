@@ -106,8 +106,9 @@ def policy_logprobs(graphdef, params, buffers, batch: TrajectoryBatch, config: C
     return in_micro_batches(forward, batch.tokens, batch.valid_mask, config.train.micro_batch_size)
 
 
-def critic_values(graphdef, params, buffers, batch: TrajectoryBatch, config: Config) -> tuple[jax.Array, jax.Array]:
-    """(V [batch, time] with V[t] the value of the state before token t, router aux loss), in
+def critic_head(graphdef, params, buffers, batch: TrajectoryBatch, config: Config) -> tuple[jax.Array, jax.Array]:
+    """(the value head's output for the state before each token — V [batch, time], or value-histogram
+    logits [batch, time, bins] with `critic.value_head: hl_gauss` — and the router aux loss), in
     micro-batches of `train.micro_batch_size` rows."""
 
     def forward(tokens, valid_mask):
@@ -115,7 +116,24 @@ def critic_values(graphdef, params, buffers, batch: TrajectoryBatch, config: Con
         return raw, aux_loss
 
     raw, aux_loss = in_micro_batches(forward, batch.tokens, batch.valid_mask, config.train.micro_batch_size)
-    return jnp.pad(raw[:, :-1], ((0, 0), (1, 0))), aux_loss
+    return jnp.pad(raw[:, :-1], ((0, 0), (1, 0)) + ((0, 0),) * (raw.ndim - 2)), aux_loss
+
+
+def value_edges(config: Config) -> jax.Array:
+    """The histogram head's bin edges (`losses.hl_gauss_support` of `critic.value_range`, `value_bins`)."""
+    low, high = config.critic.value_range
+    return losses.hl_gauss_support(low, high, config.critic.value_bins)
+
+
+def head_values(head: jax.Array, config: Config) -> jax.Array:
+    """V [batch, time] from the value head's output: itself (scalar head) or the histogram's mean."""
+    return losses.hl_gauss_values(head, value_edges(config)) if config.critic.value_head == "hl_gauss" else head
+
+
+def critic_values(graphdef, params, buffers, batch: TrajectoryBatch, config: Config) -> tuple[jax.Array, jax.Array]:
+    """(V [batch, time] with V[t] the value of the state before token t, router aux loss)."""
+    head, aux_loss = critic_head(graphdef, params, buffers, batch, config)
+    return head_values(head, config), aux_loss
 
 
 def in_micro_batches(forward, tokens: jax.Array, valid_mask: jax.Array, micro_batch_size: int):
@@ -349,7 +367,9 @@ def guard_nonfinite(tx: optax.GradientTransformation) -> optax.GradientTransform
 
 
 def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequence[str]) -> Update:
-    """One critic step on targets G = GAE(λ_critic) computed from the critic's own values.
+    """One critic step on targets G = GAE(λ_critic) computed from the critic's own values: the
+    squared error (`losses.value_loss`), or with `critic.value_head: hl_gauss` the cross-entropy to
+    G's HL-Gauss histogram (`losses.hl_gauss_value_loss`, σ = `critic.hl_gauss_sigma` bin widths).
 
     `trainable`: the parameter patterns `critic_tx` was made with (`optim.train_only`); the other
     leaves get zero gradients, which XLA then does not compute. The update takes an optional
@@ -360,6 +380,9 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequ
     gamma, lam = config.advantage.gamma, config.advantage.lam_critic
     aux_coef = graphs.critic_aux_coef
     trainable = tuple(trainable)
+    histogram = config.critic.value_head == "hl_gauss"
+    low, high = config.critic.value_range
+    sigma = config.critic.hl_gauss_sigma * (high - low) / config.critic.value_bins  # in return units
 
     def value_update(state: TrainState, batch: TrajectoryBatch, key: jax.Array, old_values=None):
         del key  # deterministic; the signature is shared by all steps
@@ -367,9 +390,14 @@ def make_value_update(graphs: Graphs, critic_tx, config: Config, trainable: Sequ
         clip_eps = None if old_values is None else config.loss.value_clip_eps
 
         def loss_fn(params):
-            values, aux_loss = critic_values(graphs.critic, params, state.critic_buffers, batch, config)
+            head, aux_loss = critic_head(graphs.critic, params, state.critic_buffers, batch, config)
+            values = head_values(head, config)
             _, targets = estimator.gae(batch, jax.lax.stop_gradient(values), gamma, lam)
-            loss, metrics = losses.value_loss(values, targets, mask, old_values=old_values, clip_eps=clip_eps)
+            if histogram:
+                loss, metrics = losses.hl_gauss_value_loss(head, targets, mask, edges=value_edges(config),
+                                                           sigma=sigma)  # fmt: skip
+            else:
+                loss, metrics = losses.value_loss(values, targets, mask, old_values=old_values, clip_eps=clip_eps)
             return loss + aux_coef * aux_loss, {**metrics, "value_loss": loss, "router_aux_loss": aux_loss}
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.critic_params)

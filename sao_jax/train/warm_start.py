@@ -1,6 +1,7 @@
-"""The two warm-start stages before RL: SFT on demonstrations (until the held-out probe reaches its
-target, cached by settings in `sft.cache_dir`), then value pretraining of the critic on Monte-Carlo
-returns of the warm-started policy's rollouts (docs/algorithms.md §8).
+"""The warm-start stages before RL: SFT on demonstrations (until the held-out probe reaches its
+target, cached by settings in `sft.cache_dir`), value pretraining of the critic on Monte-Carlo
+returns of the warm-started policy's rollouts (docs/algorithms.md §8), then the critic's warmup
+steps: RL's critic updates on fresh batches of the same policy, before the first policy update.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sao_jax.rollout.agent_loop import AgentLoop
 from sao_jax.rollout.trajectory import collate
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.build import (
+    CRITIC_WARMUP_STREAM,
     SFT_PROBE_STREAM,
     SFT_STREAM,
     VALUE_PRETRAIN_STREAM,
@@ -184,3 +186,31 @@ def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
     tx = steps_lib.guard_nonfinite(train_only(adamw(critic_cfg.pretrain_lr), trainable))
     update = steps_lib.make_value_update(graphs, tx, config, trainable)
     return tx, jax.jit(steps_lib.sequence(update), donate_argnums=0)
+
+
+def run_critic_warmup(run: Run, state, graphs, critic_warmup_step, rollout_loop: AgentLoop, writer: MetricsWriter):
+    """`critic.warmup_steps` critic-only steps (TTUR's K value updates, RL's critic optimizer) on
+    fresh batches of `train.batch_size` rollouts of the starting policy, before RL step 1; returns
+    the state. SAO runs 10 such steps before its first policy update; here they come on top of the RL
+    budget, so every row of a comparison makes `train.steps` policy updates. Their prompts and keys
+    come from a stream of their own, so RL step s draws the same prompts in every row. Logged at
+    step 0, one line a step, `"stage": "critic_warmup"`."""
+    config = run.config
+    if config.critic.warmup_steps == 0 or ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None:
+        return state
+    weights = policy_weights(state, graphs)
+    rng = np.random.default_rng([config.seed, CRITIC_WARMUP_STREAM])
+    base_key = jax.random.key(config.seed + CRITIC_WARMUP_STREAM)
+    batch_size = config.train.batch_size
+    for i in tqdm(range(config.critic.warmup_steps), desc="critic warmup", leave=False):
+        prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), batch_size)]
+        rollout_key, step_key = jax.random.split(jax.random.fold_in(base_key, i))
+        kept, failed = usable(rollout_loop.rollout((weights, 0), prompts, rollout_key))
+        if not kept:
+            writer.write(0, {"stage": "critic_warmup", "critic_warmup/step": i, "critic_warmup/failed_rollouts": failed})
+            continue
+        batch = collate(kept, batch_size=batch_size, buckets=run.buckets)
+        state, metrics = critic_warmup_step(state, batch, step_key)
+        writer.write(0, {"stage": "critic_warmup", "critic_warmup/step": i, "critic_warmup/failed_rollouts": failed,
+                         **jax.tree.map(float, jax.device_get(metrics))})  # fmt: skip
+    return state

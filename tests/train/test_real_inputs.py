@@ -86,10 +86,12 @@ def test_pretrained_folder_brings_tokenizer_chat_format_dtypes_and_file_prompts(
 def test_two_step_run_on_the_pretrained_folder_and_prompt_files(inputs, tmp_path):
     summary = train(load_config(TINY_TIR, [*inputs, f"output_dir={tmp_path}"]))
     lines = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [0, 1, 2]
-    assert [line["train/critic_warmup"] for line in lines[1:]] == [1, 0]
-    assert all(line["train/env_failed"] == 0 and line["train/action_tokens"] > 0 for line in lines[1:])
-    assert np.isfinite(lines[2]["policy/loss"]) and lines[2]["eval/env_errors"] == 0
+    # The critic's warmup step (critic.warmup_steps: 1) comes before RL: two policy updates, steps 1 and 2.
+    assert [(line["step"], line.get("stage")) for line in lines] == [(0, "critic_warmup"), (0, None), (1, None),
+                                                                      (2, None)]  # fmt: skip
+    assert lines[0]["critic_warmup/failed_rollouts"] == 0 and np.isfinite(lines[0]["critic/value_loss"])
+    assert all(line["train/env_failed"] == 0 and line["train/action_tokens"] > 0 for line in lines[2:])
+    assert all(np.isfinite(line["policy/loss"]) for line in lines[2:]) and lines[3]["eval/env_errors"] == 0
     assert summary["steps"] == 2 and (tmp_path / "checkpoints" / "2").is_dir()
 
 

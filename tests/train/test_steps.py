@@ -51,11 +51,15 @@ def synthetic_batch(seed=0, rows=4, vocab=97):
 
 @pytest.fixture(scope="module")
 def setup():
+    return make_setup()
+
+
+def make_setup(*overrides):
     config = load_config(None, ["critic.optimizer.lr=1.0", "policy.optimizer.lr=1.0", "loss.eps_low=0.99",
-                                "loss.eps_high=100.0"])  # fmt: skip
+                                "loss.eps_high=100.0", *overrides])  # fmt: skip
     model_config = tiny_qwen3_moe()
     policy = Policy(model_config, rngs=nnx.Rngs(0))
-    critic = Critic.from_policy(policy, rngs=nnx.Rngs(1))
+    critic = Critic.from_policy(policy, rngs=nnx.Rngs(1), value_bins=config.critic.value_bins_or_scalar)
     # SGD, not Adam: Adam's first step is ±lr for any gradient, which would amplify float32
     # reassociation noise in near-zero gradients past any sensible tolerance.
     policy_tx = steps_lib.guard_nonfinite(optax.sgd(config.policy.optimizer.lr))
@@ -83,7 +87,7 @@ def hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, **sett
 
 
 def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx, gamma=1.0, lam_critic=1.0,
-                       lam_policy=None, policy=True, value_clip_eps=None, kl_coef=0.0):  # fmt: skip
+                       lam_policy=None, policy=True, value_clip_eps=None, kl_coef=0.0, histogram=None):  # fmt: skip
     critic_params, critic_opt = state.critic_params, state.critic_opt_state
 
     def critic_forward(params):
@@ -96,10 +100,17 @@ def _hand_written_ttur(config, state, batch, *, graphs, policy_tx, critic_tx, ga
     for _ in range(K):
         def value_objective(params):
             values, aux = critic_forward(params)
+            if histogram is not None:  # (bin edges, σ): the head's logits, V their histogram's mean
+                logits, values = values, losses.hl_gauss_values(values, histogram[0])
             _, targets = adv.skip_observation_gae(
                 batch.rewards, jax.lax.stop_gradient(values), batch.action_mask, gamma=gamma, lam=lam_critic
             )
-            return losses.value_loss(values, targets, batch.action_mask, **clip)[0] + graphs.critic_aux_coef * aux
+            if histogram is not None:
+                loss = losses.hl_gauss_value_loss(logits, targets, batch.action_mask, edges=histogram[0],
+                                                  sigma=histogram[1])[0]  # fmt: skip
+            else:
+                loss = losses.value_loss(values, targets, batch.action_mask, **clip)[0]
+            return loss + graphs.critic_aux_coef * aux
 
         grads = jax.grad(value_objective)(critic_params)
         updates, critic_opt = critic_tx.update(grads, critic_opt, critic_params)
@@ -214,6 +225,26 @@ def test_critic_warmup_step_is_k_critic_updates_and_leaves_the_policy(setup):
     jax.tree.map(np.testing.assert_array_equal, new_state.policy_params, state.policy_params)
     assert int(new_state.step) == 1
     assert "critic/value_loss" in metrics and not any(name.startswith("policy/") for name in metrics)
+
+
+def test_hl_gauss_critic_steps_are_the_hand_written_cross_entropy_steps():
+    # 7 bins over [-0.5, 1.5]: edges −0.5, −0.214, …, 1.5; σ = 0.75 bin widths = 0.75 · 2/7.
+    config, state, graphs, steps, policy_tx, critic_tx = make_setup("critic.value_head=hl_gauss", "critic.value_bins=7")
+    assert state.critic_params["value_head"]["kernel"].shape == (tiny_qwen3_moe().hidden_size, 7)
+    batch = synthetic_batch(seed=6)
+    edges = jnp.linspace(-0.5, 1.5, 8)
+    expected, _ = hand_written_ttur(config, state, graphs, batch, policy_tx, critic_tx, policy=False,
+                                    histogram=(edges, 0.75 * 2 / 7))  # fmt: skip
+    new_state, metrics = steps.critic_warmup_step(copy_state(state), batch, jax.random.key(0))
+    assert_params_close(new_state.critic_params, expected)
+    moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(jnp.max(jnp.abs(a - b))), new_state.critic_params,
+                                         state.critic_params))  # fmt: skip
+    assert max(moved) > 1e-3
+    # The values the advantages read are the histogram's mean.
+    values, _ = steps_lib.critic_values(graphs.critic, state.critic_params, state.critic_buffers, batch, config)
+    raw, _, _ = nnx.merge(graphs.critic, state.critic_params, state.critic_buffers).forward(
+        batch.tokens, attention_mask=batch.valid_mask)
+    np.testing.assert_allclose(values[:, 1:], losses.hl_gauss_values(raw[:, :-1], edges), rtol=1e-5, atol=1e-6)
 
 
 def test_policy_update_uses_the_updated_critic(setup):
