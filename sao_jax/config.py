@@ -176,7 +176,7 @@ class CriticConfig:
     # trained by cross-entropy to the HL-Gauss target of G (Farebrother et al. 2024), V its mean.
     value_head: str = "scalar"
     value_bins: int = ranged(51, Range(2))
-    value_range: tuple[float, ...] = (-0.5, 1.5)  # (low, high): returns outside are clipped into it
+    value_range: tuple[float, ...] = ranged((-0.5, 1.5), Range(-1e6, 1e6))  # (low, high): returns outside are clipped into it
     hl_gauss_sigma: float = ranged(0.75, POSITIVE)  # the target's σ, in bin widths (the paper's 0.75)
 
     def problems(self) -> list[tuple[str, str]]:

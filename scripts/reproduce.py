@@ -103,16 +103,31 @@ class Comparison:
     paper_columns: tuple[str, ...] = ()
     per_step: tuple[tuple[str, str], ...] = ()  # extra per-step curves: (metric key, label)
     styles: bool = False  # the online experiment's style shares and realignment
+    pretraining_curve: bool = False  # value-pretraining corpus size → critic EV → success, one point per row
+
+
+@dataclasses.dataclass(frozen=True)
+class Interaction:
+    """(a − b) − (c − d) of final success, paired by seed: how much a difference between two rows
+    (a − b) changes between two settings (c − d: the same rows in the other setting)."""
+
+    title: str
+    a: str
+    b: str
+    c: str
+    d: str
 
 
 @dataclasses.dataclass(frozen=True)
 class Suite:
     comparisons: tuple[Comparison, ...]
     quick_overrides: tuple[str, ...] = ()  # added under --quick, after the budget caps
+    interactions: tuple[Interaction, ...] = ()
 
     @property
     def rows(self) -> tuple[Row, ...]:
-        return tuple(row for c in self.comparisons for row in c.rows)
+        """Every row once (a row may be in several comparisons; it runs once)."""
+        return tuple({row.name: row for c in self.comparisons for row in c.rows}.values())
 
 
 # The repair suite's skip/cross comparisons plot the critic's fit beside the two outcomes of a test.
@@ -182,6 +197,25 @@ SUITES: dict[str, Suite] = {
                              ("critic/grad_norm/attention", "critic attention gradient norm"))),
     )),
 }
+# The critic suite (results/DESIGN.md, "Critic suite"): SAO with a well-trained critic against the
+# per-prompt running mean where its window fills (a pool of 200 prompts, each drawn ~16 times in 3,200
+# trajectories) and where it mostly does not (4,096), and the value-pretraining corpus size.
+CRITIC_CURVES = (("critic/before_updates/explained_variance", "critic explained variance before updates"),
+                 ("advantage/window_fill", "running-mean window fill (earlier rewards)"),
+                 ("probe/advantage_correlation", "advantage vs Monte-Carlo Q − V, correlation"))
+SUITES["critic"] = Suite((
+    Comparison("pool_small", "Critic suite, recurring pool (200 prompts): SAO vs the per-prompt running mean",
+               "sao_pool", (Row("sao_pool", "SAO"), Row("running_mean_pool", "running mean (per prompt, 8)")),
+               per_step=CRITIC_CURVES),
+    Comparison("pool_large", "Critic suite, 4,096-prompt pool: SAO vs the per-prompt running mean and GRPO+DIS",
+               "sao", (Row("sao", "SAO"), Row("running_mean", "running mean (per prompt, 8)"),
+                       Row("grpo_dis", "GRPO+DIS (group of 8)")), per_step=CRITIC_CURVES),
+    Comparison("pretraining", "Critic suite, scaled value pretraining: the corpus size", "sao",
+               (Row("sao", "SAO"), Row("sao_pretrain1024", "1,024 pretraining rollouts"),
+                Row("sao_pretrain256", "256 pretraining rollouts"), Row("sao_pretrain0", "no value pretraining")),
+               per_step=CRITIC_CURVES[:1], pretraining_curve=True),
+), interactions=(Interaction("(SAO − running mean) on the recurring pool − (SAO − running mean) on the 4,096 pool",
+                             "sao_pool", "running_mean_pool", "sao", "running_mean"),))
 # --quick: each budget is capped (min(config value, cap), so a 0 in a config — a critic-free row's
 # value pretraining — stays 0). Eight trajectories a step still hold one GRPO group of 8.
 QUICK_CAPS: dict[str, int] = {
@@ -461,6 +495,12 @@ def rl_mean(lines: Sequence[Mapping[str, Any]], key: str) -> float | None:
     return float(np.mean(values)) if values else None
 
 
+def last_steps_mean(lines: Sequence[Mapping[str, Any]], key: str, steps: int) -> float | None:
+    """Mean of `key` over the run's last `steps` RL steps that log it; None if none does."""
+    values = [line[key] for line in rl_lines(lines) if line.get(key) is not None][-steps:]
+    return float(np.mean(values)) if values else None
+
+
 def last_stage_value(lines: Sequence[Mapping[str, Any]], stage: str, key: str) -> float | None:
     """`key` on the last line of warm-start `stage` (e.g. the last value-pretraining epoch's critic
     explained variance); None if there is no such line or it lacks `key`."""
@@ -712,6 +752,18 @@ def diagnostic_columns(levels: Sequence[str] = ()) -> list[Diagnostic]:
                    exact_zero=True),
         Diagnostic("advantage mean", "the mean over RL steps of the advantage's mean over action tokens",
                    lambda lines, _: rl_mean(lines, "policy/advantage_mean"), spec=".3f"),
+        Diagnostic("window fill", "the mean over RL steps of the number of earlier rewards in the running-mean "
+                   "window each trajectory reads (`advantage/window_fill`; 0: no baseline)",
+                   lambda lines, _: rl_mean(lines, "advantage/window_fill")),
+        Diagnostic("empty windows %", "the mean over RL steps of the share of trajectories whose running-mean "
+                   "window is empty (baseline 0)", lambda lines, _: rl_mean(lines, "advantage/window_empty"),
+                   scale=100.0, spec=".1f", exact_zero=True),
+        Diagnostic("probe correlation", "the mean over the run's advantage probes of the correlation between "
+                   "the estimator's advantage at a decision and its Monte-Carlo Q − V (`train.probe_every`)",
+                   lambda lines, _: rl_mean(lines, "probe/advantage_correlation")),
+        Diagnostic("train success % (last 25 steps)", "the mean success of the training rollouts over the "
+                   "run's last 25 RL steps (beside the held-out success: a gap is memorisation of the pool)",
+                   lambda lines, _: last_steps_mean(lines, "train/success_rate", 25), scale=100.0, spec=".1f"),
         Diagnostic("estimator share % (last eval)", "at the last evaluation, the share of answered held-out "
                    "episodes that called the estimator tool", lambda lines, _: at_last_eval(lines, "eval/tool_share/est"),
                    scale=100.0, spec=".1f"),
@@ -841,6 +893,86 @@ def realigned_share_table(comparison: Comparison, runs: Mapping[str, Mapping[int
         seeds = len(values[(row.name, "share")])
         text.append(f"| {row.label} | {seeds} | " + " | ".join(cells) + " |")
     return text
+
+
+def interaction_table(suite_name: str, suite: Suite, out: Path) -> list[str]:
+    """One line per `Interaction`: its mean ± 95 % CI over the seeds all four rows ran, paired by seed,
+    and whether the interval excludes 0 at 95 % / 99 %."""
+    if not suite.interactions:
+        return []
+    text = ["Interactions of final success, in points: (a − b) − (c − d) per seed, mean ± 95 % CI over the "
+            "seeds all four rows ran.", "", "| interaction | seeds | value | excludes 0 at 95 % / 99 % |",
+            "|---|---|---|---|"]  # fmt: skip
+    for interaction in suite.interactions:
+        finals = {name: {seed: run_scores(lines)["final"] for seed, lines in load_runs(out, suite_name, name).items()}
+                  for name in (interaction.a, interaction.b, interaction.c, interaction.d)}  # fmt: skip
+        seeds = sorted(set.intersection(*(set(by_seed) for by_seed in finals.values())))
+        values = [(finals[interaction.a][s] - finals[interaction.b][s]) - (finals[interaction.c][s] - finals[interaction.d][s])
+                  for s in seeds]  # fmt: skip
+        if not values:
+            text.append(f"| {interaction.title} | 0 | — | — |")
+            continue
+        mean, half = mean_ci95(values)
+        value = f"{100 * mean:+.1f}" + ("" if math.isnan(half) else f" ± {100 * half:.1f}")
+        robust = "—" if len(values) < 2 else " / ".join("yes" if excludes_zero(values, level) else "no"
+                                                         for level in (0.95, 0.99))  # fmt: skip
+        text.append(f"| {interaction.title} | {len(values)} | {value} | {robust} |")
+    return text
+
+
+def pretraining_points(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], out: Path,
+                       suite_name: str) -> list[tuple[int, str, list[float], list[float]]]:  # fmt: skip
+    """(corpus size, row label, per-seed critic EV at the end of value pretraining, per-seed final
+    success) per row, by corpus size; the size is `critic.pretrain_rollouts` of the runs' config.yaml."""
+    points = []
+    for row in comparison.rows:
+        folders = finished_runs(out, suite_name, row.name)
+        if not folders:
+            continue
+        config = yaml.safe_load((next(iter(folders.values())) / "config.yaml").read_text())
+        by_seed = runs.get(row.name, {})
+        ev = [v for v in (last_stage_value(lines, VALUE_PRETRAIN_STAGE, EV_KEY) for lines in by_seed.values())
+              if v is not None]  # fmt: skip
+        points.append((int(config["critic"]["pretrain_rollouts"]), row.label, ev,
+                       [run_scores(lines)["final"] for lines in by_seed.values()]))
+    return sorted(points)
+
+
+def plot_pretraining_curve(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], out: Path,
+                           suite_name: str) -> Path | None:  # fmt: skip
+    """Value-pretraining corpus size → the critic's explained variance at the end of pretraining →
+    final held-out success: mean and 95 % CI over seeds, one point per row."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = pretraining_points(comparison, runs, out, suite_name)
+    if not points:
+        return None
+    fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
+    sizes = [p[0] for p in points]
+    x = np.arange(len(points))  # one slot per corpus size (0 has no place on a log axis)
+    for ax, index, label in ((axes[0], 2, "critic EV, end of value pretraining"), (axes[1], 3, "final held-out success %")):
+        stats = [mean_ci95(p[index]) if p[index] else (math.nan, math.nan) for p in points]
+        scale = 100.0 if index == 3 else 1.0
+        ax.errorbar(x, [scale * m for m, _ in stats], yerr=[0 if math.isnan(h) else scale * h for _, h in stats],
+                    marker="o", capsize=4)  # fmt: skip
+        ax.set(title=label, xlabel="value-pretraining rollouts")
+        ax.set_xticks(x, [str(n) for n in sizes])
+        ax.grid(alpha=0.3)
+    for size, _, ev, final in points:
+        axes[2].scatter(ev[:len(final)], [100 * f for f in final[:len(ev)]], label=str(size), s=18)
+    axes[2].set(title="per seed: EV after pretraining vs final success %", xlabel="critic EV, end of value pretraining")
+    axes[2].grid(alpha=0.3)
+    axes[2].legend(title="rollouts", fontsize=8)
+    fig.suptitle(f"{comparison.title} — mean, 95 % CI")
+    fig.tight_layout()
+    path = out / suite_name / f"{comparison.slug}_curve.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
 
 
 def _band(ax, steps, mean, half, label, color=None):
@@ -1017,9 +1149,13 @@ def write_report(suite_name: str, out: Path) -> Path:
         if comparison.styles:
             text += ["", *realignment_table(comparison, runs)]
         plots = plot_comparison(comparison, runs, out / suite_name)
+        if comparison.pretraining_curve and (curve := plot_pretraining_curve(comparison, runs, out, suite_name)):
+            plots.append(curve)
         text += ["", *(f"![{p.stem}]({suite_name}/{p.name})" for p in plots)]
         folders = [out / suite_name / row.name for row in comparison.rows]
         text += calibration_notes([p for folder in folders for p in sorted(folder.glob(f"seed*/{ESTR_CALIBRATION_FILE}"))])
+    interactions = interaction_table(suite_name, suite, out)
+    text += ["", "## Interactions", "", *interactions] if interactions else []
     path = out / f"{suite_name}.md"
     path.write_text("\n".join(text) + "\n")
     return path

@@ -106,6 +106,16 @@ ROW_SETTINGS = {
                                       "critic.trainable_patterns": [".*"]},
     "repair/cross_trained_attention": {"env.name": "repair", "advantage.estimator": "cross_observation_gae",
                                        "critic.trainable_patterns": [".*"]},
+    "critic/sao_pool": {"env.name": "chain", "env.train_prompts": 200, "advantage.estimator": "skip_observation_gae"},
+    "critic/running_mean_pool": {"env.train_prompts": 200, "advantage.estimator": "running_mean",
+                                 "advantage.running_mean_scope": "per_prompt", "advantage.running_mean_window": 8,
+                                 "critic.pretrain_rollouts": 0, "critic.warmup_steps": 0},
+    "critic/running_mean": {"env.train_prompts": 4096, "advantage.estimator": "running_mean",
+                            "advantage.running_mean_scope": "per_prompt", "advantage.running_mean_window": 8},
+    "critic/grpo_dis": {"advantage.estimator": "grpo", "advantage.group_size": 8, "loss.name": "dis"},
+    "critic/sao_pretrain0": {"critic.pretrain_rollouts": 0},
+    "critic/sao_pretrain256": {"critic.pretrain_rollouts": 256},
+    "critic/sao_pretrain1024": {"critic.pretrain_rollouts": 1024},
 }  # fmt: skip
 
 
@@ -135,6 +145,42 @@ def test_sao_rows_are_the_default_and_paired_rows_share_everything_but_their_var
     for (a, b), differ in pairs.items():
         a, b = (flatten(plain(load_config(ABLATIONS / "repair" / f"{name}.yaml"))) for name in (a, b))
         assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == differ
+
+
+def test_critic_suite_rows_differ_only_in_their_variable_and_share_trajectories():
+    def row(name):
+        return flatten(plain(load_config(ABLATIONS / "critic" / f"{name}.yaml")))
+
+    def differ(a, b):
+        return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
+
+    sao, sao_pool = row("sao"), row("sao_pool")
+    assert differ(sao, sao_pool) == {"env.train_prompts"}
+    assert differ(row("running_mean"), row("running_mean_pool")) == {"env.train_prompts"}
+    for n in (0, 256, 1024):
+        assert differ(sao, row(f"sao_pretrain{n}")) == {"critic.pretrain_rollouts"}
+    # The pool recurs: ≥ 16 draws of each prompt on average over the run; the large pool does not.
+    assert sao["train.steps"] * sao["train.batch_size"] / sao_pool["env.train_prompts"] >= 16
+    assert sao["train.steps"] * sao["train.batch_size"] / sao["env.train_prompts"] < 1
+    # Equal budgets: every row makes the same policy updates on the same number of trajectories a step.
+    for name in ("running_mean", "grpo_dis", "running_mean_pool"):
+        assert (row(name)["train.steps"], row(name)["train.batch_size"]) == (sao["train.steps"], sao["train.batch_size"])
+
+
+def test_interaction_is_the_paired_difference_of_differences(tmp_path):
+    # Final success per seed: a − b − (c − d) = (0.9 − 0.5) − (0.6 − 0.6) = 0.4 and (0.8 − 0.6) − (0.7 − 0.6) = 0.1.
+    finals = {"sao_pool": [0.9, 0.8], "running_mean_pool": [0.5, 0.6], "sao": [0.6, 0.7], "running_mean": [0.6, 0.6]}
+    for row, values in finals.items():
+        for seed, final in enumerate(values):
+            folder = reproduce.run_dir(tmp_path, "critic", row, seed)
+            folder.mkdir(parents=True)
+            (folder / "metrics.jsonl").write_text(json.dumps({"step": 0, reproduce.SUCCESS_KEY: 0.2}) + "\n" +
+                                                  json.dumps({"step": 200, reproduce.SUCCESS_KEY: final}) + "\n")
+            (folder / "summary.json").write_text("{}")
+    [line] = [line for line in reproduce.interaction_table("critic", reproduce.SUITES["critic"], tmp_path)
+              if line.startswith("| (SAO")]  # fmt: skip
+    mean, half = reproduce.mean_ci95([0.4, 0.1])
+    assert f"| 2 | {100 * mean:+.1f} ± {100 * half:.1f} | no / no |" in line
 
 
 def test_online_schedule_switches_at_least_twice_within_the_run():
@@ -575,7 +621,8 @@ def test_quick_run_of_the_estr_row_calibrates_tau_trains_and_reports(tmp_path):
 @pytest.mark.parametrize(("suite", "row", "difficulty", "logged"), [
     ("chain", "sao", "[1,4]", "critic/before_updates/explained_variance"),
     ("repair", "frozen_unseen", "[1]", "train/failed_test_share"),
-    ("online", "sao", "[1]", "policy/kl_to_reference")])  # fmt: skip
+    ("online", "sao", "[1]", "policy/kl_to_reference"),
+    ("critic", "running_mean_pool", "[1,4]", "advantage/window_fill")])  # fmt: skip
 def test_quick_run_of_a_stress_suites_row_trains_and_reports(tmp_path, suite, row, difficulty, logged):
     """The chain suite's reference row, the repair suite's row whose test is unseen in SFT, and the
     online suite's SAO row (KL penalty toward the warm start), end to end with the real trainer on
