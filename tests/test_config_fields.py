@@ -242,14 +242,14 @@ def test_every_field_has_an_effect_test_or_a_documented_reason():
 
 
 @functools.cache
-def fixed_models(config: Config):
+def fixed_models(value_bins: int):
     policy = Policy(tiny_qwen3_moe(), rngs=nnx.Rngs(0))
-    return policy, Critic.from_policy(policy, rngs=nnx.Rngs(1), value_bins=config.critic.value_bins_or_scalar)
+    return policy, Critic.from_policy(policy, rngs=nnx.Rngs(1), value_bins=value_bins)
 
 
 def step_jaxprs(config: Config) -> list[str]:
     """The jaxprs of the TTUR step and the value-pretraining update, on a fixed tiny model."""
-    policy, critic = fixed_models(config)
+    policy, critic = fixed_models(config.critic.value_bins_or_scalar)
     policy_tx, critic_tx = make_optimizers(config)
     state, graphs = steps_lib.make_train_state(policy, critic, policy_tx, critic_tx, config, num_prompts=8)
     batch = synthetic_batch()
