@@ -123,3 +123,14 @@ def test_the_probe_and_per_level_success_have_plots_when_logged(tmp_path):
     assert {p.name for p in plot_run(tmp_path, lines)} == {"reward.png", "advantage_probe.png"}
     assert metrics_lib._panel_keys("eval/success_rate/", lines) == ["eval/success_rate/level_1",
                                                                     "eval/success_rate/level_2"]  # fmt: skip
+
+
+def test_legend_labels_keep_the_components_in_which_keys_differ():
+    # The critic plot's two explained variances differ only in when they were measured.
+    before, after = "critic/before_updates/explained_variance", "critic/after_updates/explained_variance"
+    assert metrics_lib.legend_labels([before, after]) == ["before_updates", "after_updates"]
+    assert metrics_lib.legend_labels(["advantage/window_fill", "advantage/window_empty"]) == ["window_fill",
+                                                                                               "window_empty"]
+    assert metrics_lib.legend_labels(["critic/grad_norm/attention", "critic/grad_norm/experts"]) == ["attention",
+                                                                                                      "experts"]
+    assert metrics_lib.legend_labels(["a/x", "b/y/z"]) == ["a/x", "b/y/z"]
