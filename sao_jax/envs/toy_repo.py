@@ -16,6 +16,7 @@ through the chat server with the episode id as its API key. smolagents is an opt
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -105,6 +106,23 @@ def smolagents_agent(prompt: Prompt, base_url: str, episode_id: str, *, max_step
     import smolagents  # noqa: PLC0415 — an optional dependency, needed only by this example
 
     files = dict(prompt.metadata["files"]) if files is None else files
+    with warnings.catch_warnings():  # smolagents warns that tools defined in a function may not serialize
+        warnings.filterwarnings("ignore", message="Function .* has decorators other than @tool")
+        tools = _tools(smolagents, files)
+    model = smolagents.OpenAIModel(model_id="policy", api_base=base_url, api_key=episode_id, max_tokens=max_tokens,
+                                   client_kwargs={"max_retries": 0, "timeout": 600})  # fmt: skip
+    agent = smolagents.ToolCallingAgent(tools=tools, model=model, max_steps=max_steps,
+                                        verbosity_level=smolagents.LogLevel.OFF)  # fmt: skip
+    agent.prompt_templates["system_prompt"] = SYSTEM_PROMPT.format(files=", ".join(sorted(files)))
+    # At max_steps smolagents asks the model once more, under another system prompt, for a summary
+    # answer; the reward here is the tests, not that answer, so that extra call is skipped.
+    agent.provide_final_answer = lambda task: smolagents.ChatMessage(role=smolagents.MessageRole.ASSISTANT,
+                                                                     content="")  # fmt: skip
+    return agent, files
+
+
+def _tools(smolagents, files: dict[str, str]) -> list:
+    """The agent's tools over the repository `files` (edited in place)."""
 
     @smolagents.tool
     def read_file(path: str) -> str:
@@ -131,16 +149,7 @@ def smolagents_agent(prompt: Prompt, base_url: str, episode_id: str, *, max_step
         """Run the repository's tests and return their output."""
         return run_tests_output(files)
 
-    model = smolagents.OpenAIModel(model_id="policy", api_base=base_url, api_key=episode_id, max_tokens=max_tokens,
-                                   client_kwargs={"max_retries": 0, "timeout": 600})  # fmt: skip
-    agent = smolagents.ToolCallingAgent(tools=[read_file, write_file, run_tests], model=model, max_steps=max_steps,
-                                        verbosity_level=smolagents.LogLevel.OFF)  # fmt: skip
-    agent.prompt_templates["system_prompt"] = SYSTEM_PROMPT.format(files=", ".join(sorted(files)))
-    # At max_steps smolagents asks the model once more, under another system prompt, for a summary
-    # answer; the reward here is the tests, not that answer, so that extra call is skipped.
-    agent.provide_final_answer = lambda task: smolagents.ChatMessage(role=smolagents.MessageRole.ASSISTANT,
-                                                                     content="")  # fmt: skip
-    return agent, files
+    return [read_file, write_file, run_tests]
 
 
 def run_tests_output(files: Mapping[str, str]) -> str:
