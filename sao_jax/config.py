@@ -333,7 +333,8 @@ class ScaffoldConfig:
     # Most tokens the policy generates in one episode, over all its requests; a scaffold that asks for
     # more costs its trajectory.
     max_episode_tokens: int = ranged(4096, AT_LEAST_1)
-    # Episodes run at once (each may hold a sampler row while it waits for the model).
+    # Episodes run at once by a sync-mode rollout (async mode: the engine's rollout.num_slots workers);
+    # their requests share the sampler's rollout.num_slots rows.
     episodes_at_once: int = ranged(8, AT_LEAST_1)
 
     def problems(self) -> list[tuple[str, str]]:

@@ -51,8 +51,8 @@ def repository(bug: int, *, fixed: bool = False) -> dict[str, str]:
 def generate_prompts(rng: np.random.Generator, n: int) -> list[Prompt]:
     """`n` tasks drawn uniformly from the bug table; the repository is in `metadata["files"]`."""
     bugs = rng.integers(0, len(_BUGS), size=n)
-    return [Prompt(id=new_prompt_id(rng), text=TASK_TEXT.format(name=_BUGS[b][0].split("(")[0]), answer="", difficulty=1,
-                   metadata={"bug": int(b), "files": repository(int(b))}) for b in bugs]  # fmt: skip
+    return [Prompt(id=new_prompt_id(rng), text=TASK_TEXT.format(name=_BUGS[b][0].split("(")[0]), answer="",
+                   difficulty=1, metadata={"bug": int(b), "files": repository(int(b))}) for b in bugs]  # fmt: skip
 
 
 _RUNNER = """

@@ -34,7 +34,13 @@ SAO_BASE_URL, SAO_EPISODE_ID and SAO_PROMPT (the prompt text), the prompt record
 ({"id", "text", "answer", "difficulty", "metadata"}); the last line it prints is its reward.
 
 Randomness: request r of the episode whose key is k samples with fold_in(k, r); `rollout` gives the
-i-th prompt fold_in(key, first_index + i), as the agent loop does.
+i-th prompt fold_in(key, first_index + i), as the agent loop does. The draws do not depend on what
+ran beside a request, but the scaffold's timing decides which requests share a batch, so its numbers
+may differ in the last float bits between runs (sync mode is not bit-for-bit reproducible here).
+
+Concurrency: `rollout` runs `episodes_at_once` episodes at a time; as the async engine's rollout
+function the engine's workers (`rollout.num_slots` of them) each run one. Requests of all running
+episodes share the sampler's batch (`num_slots` rows).
 """
 
 from __future__ import annotations
@@ -222,9 +228,9 @@ class ScaffoldLoop:
 
     def _trajectory(self, prompt, record: EpisodeRecord, reward: float, failure: _Failure | None) -> Trajectory:
         last = record.segments[-1] if record.segments else None
-        fields = {name: (last.array(name) if last is not None else np.zeros(0)).astype(dtype) for name, dtype in
-                  (("tokens", np.int32), ("action_mask", bool), ("rollout_logprobs", np.float32),
-                   ("rollout_entropy", np.float32), ("policy_version", np.int32), ("turn_index", np.int32))}  # fmt: skip
+        columns = (("tokens", np.int32), ("action_mask", bool), ("rollout_logprobs", np.float32),
+                   ("rollout_entropy", np.float32), ("policy_version", np.int32), ("turn_index", np.int32))
+        fields = {name: (np.zeros(0) if last is None else last.array(name)).astype(dtype) for name, dtype in columns}
         rewards = np.zeros(len(fields["tokens"]), np.float32)
         if failure is None:
             rewards[np.flatnonzero(fields["action_mask"])[-1]] = reward

@@ -533,8 +533,8 @@ class ChatServer:
         with self._episodes_lock:
             episode = self._episodes.get(token.strip()) if scheme.lower() == "bearer" else None
         if episode is None:
-            raise RequestError(401, "the API key must be the id of an open episode (Authorization: Bearer <episode id>)",
-                               code="invalid_api_key", kind="authentication_error")  # fmt: skip
+            raise RequestError(401, "the API key must be the id of an open episode (Authorization: Bearer "
+                                    "<episode id>)", code="invalid_api_key", kind="authentication_error")  # fmt: skip
         return episode
 
     def _parse(self, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -586,9 +586,9 @@ class ChatServer:
         out = {k: v for k, v in message.items() if k not in ("role", "content")}
         out |= {"role": ROLES[message["role"]], "content": content if content is not None else ""}
         if out.get("tool_calls"):
-            out["tool_calls"] = [{**call, "function": {**call.get("function", {}),
-                                                       "arguments": _arguments(call.get("function", {}).get("arguments"))}}
-                                 for call in out["tool_calls"] if isinstance(call, Mapping)]  # fmt: skip
+            calls = [(call, call.get("function", {})) for call in out["tool_calls"] if isinstance(call, Mapping)]
+            out["tool_calls"] = [{**call, "function": {**f, "arguments": _arguments(f.get("arguments"))}}
+                                 for call, f in calls]  # fmt: skip
         return out
 
     def _render(self, episode: EpisodeRecord, request: dict[str, Any]) -> str:

@@ -161,6 +161,23 @@ def test_rewritten_history_starts_a_new_segment_and_is_counted(model, loop):
     assert seen["second"].model_extra["sao"]["segment"] == 1
 
 
+def test_each_request_samples_with_the_weights_published_when_it_was_admitted(model, loop):
+    def two_requests(prompt, base_url, episode_id):
+        client = client_for(base_url, episode_id)
+        messages = [{"role": "user", "content": prompt.text}]
+        for _ in range(2):
+            response = client.chat.completions.create(model="policy", max_tokens=3, messages=messages)
+            messages.append(response.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "user", "content": "More."})
+        return 0.0
+
+    published = iter(range(10, 20))  # a new version each time the weights are read
+    [trajectory] = loop.rollout(lambda: (model["params"], next(published)), [prompt_running(two_requests)],
+                                jax.random.key(6))  # fmt: skip
+    assert [set(trajectory.policy_version[a:b]) for a, b in action_spans(trajectory)] == [{10}, {11}]
+    assert trajectory.oldest_version == 10
+
+
 def test_failing_scaffolds_cost_one_trajectory_each_and_the_rollout_goes_on(model):
     release = threading.Event()
 
@@ -198,8 +215,8 @@ def test_failing_scaffolds_cost_one_trajectory_each_and_the_rollout_goes_on(mode
     failing = loop_for(model, deadline_s=3.0, max_episode_tokens=12)
     try:
         started = time.monotonic()
-        trajectories = failing.rollout((model["params"], VERSION), [prompt_running(r, i) for i, r in
-                                                                    enumerate(runs.values())], jax.random.key(2))  # fmt: skip
+        prompts = [prompt_running(run, i) for i, run in enumerate(runs.values())]
+        trajectories = failing.rollout((model["params"], VERSION), prompts, jax.random.key(2))
         assert time.monotonic() - started < 60
         kinds = [t.info["error_kind"] for t in trajectories]
         assert kinds == [None, "timeout", "exception", "token_budget", "invalid_result"]
@@ -261,7 +278,8 @@ def test_smolagents_tool_calling_agent_runs_a_multi_turn_episode_with_exact_mask
     assistant = [i for i, m in enumerate(conversation) if m["role"] == "assistant"]
     for i, ids in zip(assistant, sampled):
         conversation[i]["content"] = tok.decode(ids[:-1] if ids[-1] == tok.added_tokens[IM_END] else ids)
-    rendered = ref.apply_chat_template(conversation, tools=messages["tools"], add_generation_prompt=True, tokenize=False)
+    rendered = ref.apply_chat_template(conversation, tools=messages["tools"], add_generation_prompt=True,
+                                       tokenize=False)  # fmt: skip
     last = action_spans(trajectory)[-1]
     assert tok.decode(trajectory.tokens[: last[0]]) == rendered
 
@@ -305,8 +323,9 @@ def test_the_server_listens_on_loopback_addresses_only(model):
 
 
 def test_hermes_tool_calls_are_parsed_and_other_text_kept():
-    content, calls = parse_tool_calls('Let me check. <tool_call>{"name": "run_tests", "arguments": {"k": 1}}</tool_call>'
-                                      "<tool_call>not json</tool_call>")  # fmt: skip
+    text = ('Let me check. <tool_call>{"name": "run_tests", "arguments": {"k": 1}}</tool_call>'
+            "<tool_call>not json</tool_call>")
+    content, calls = parse_tool_calls(text)
     assert content == "Let me check. <tool_call>not json</tool_call>"
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [("run_tests", '{"k": 1}')]
     assert parse_tool_calls("no calls here ") == ("no calls here ", [])
