@@ -25,7 +25,7 @@ from sao_jax.envs.base import Prompt, new_prompt_id
 from sao_jax.envs.python_tool import run_python
 
 # (function, wrong body line, right body line, test assertions)
-_BUGS = (
+BUGS = (
     ("add(a, b)", "return a - b", "return a + b", ["add(2, 3) == 5", "add(-1, 1) == 0"]),
     ("mul(a, b)", "return a + b", "return a * b", ["mul(3, 4) == 12", "mul(0, 7) == 0"]),
     ("is_even(n)", "return n % 2 == 1", "return n % 2 == 0", ["is_even(4)", "not is_even(3)"]),
@@ -40,7 +40,7 @@ MAX_STEPS = 4  # the example agent's steps (model calls) per episode
 
 def repository(bug: int, *, fixed: bool = False) -> dict[str, str]:
     """The files of task `bug` (an index into the bug table); `fixed`: with the right line."""
-    signature, wrong, right, checks = _BUGS[bug]
+    signature, wrong, right, checks = BUGS[bug]
     name = signature.split("(")[0]
     calc = f"def {signature}:\n    {right if fixed else wrong}\n"
     tests = f"from calc import {name}\n\n\n" + "".join(
@@ -50,8 +50,8 @@ def repository(bug: int, *, fixed: bool = False) -> dict[str, str]:
 
 def generate_prompts(rng: np.random.Generator, n: int) -> list[Prompt]:
     """`n` tasks drawn uniformly from the bug table; the repository is in `metadata["files"]`."""
-    bugs = rng.integers(0, len(_BUGS), size=n)
-    return [Prompt(id=new_prompt_id(rng), text=TASK_TEXT.format(name=_BUGS[b][0].split("(")[0]), answer="",
+    bugs = rng.integers(0, len(BUGS), size=n)
+    return [Prompt(id=new_prompt_id(rng), text=TASK_TEXT.format(name=BUGS[b][0].split("(")[0]), answer="",
                    difficulty=1, metadata={"bug": int(b), "files": repository(int(b))}) for b in bugs]  # fmt: skip
 
 

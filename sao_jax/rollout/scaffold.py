@@ -22,11 +22,11 @@ server's docstring) are not spliced onto it; `info["prefix_mismatches"]` counts 
 
 Failures cost one trajectory (`info["error"]`, `info["error_kind"]`; `stats["scaffold_<kind>"]`) and
 never the batch: "exception" (the episode function raised, or the command exited non-zero),
-"timeout" (past `deadline_s`: a thread is abandoned, a process group killed; the server answers the
-episode's later requests with 410), "token_budget" (the episode asked for more than
+"timeout" (past `deadline_s`: a thread is abandoned, a process group killed; the server refuses the
+episode's later requests), "token_budget" (the episode asked for more than
 `max_episode_tokens` generated tokens), "invalid_result" (the reward is not a finite real number),
 "no_requests" (the scaffold never called the model). As with the agent loop, the trainer drops them
-(`RolloutService`-style: `__call__` raises `EnvFailure`). A request that did not fit the cache sets
+(`__call__` raises `EnvFailure`, as `RolloutService` does). A request that did not fit the cache sets
 `info["truncated"] = "max_total_tokens"`; the trajectory is kept, as the agent loop keeps one.
 
 A command is run with the environment variables OPENAI_BASE_URL, OPENAI_API_KEY (= the episode id),

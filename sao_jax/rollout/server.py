@@ -60,8 +60,8 @@ rollout's sampling settings apply, so log μ is always the distribution the samp
 Refused with an OpenAI-style error JSON (HTTP 400): `stream=true`, `n` ≠ 1, non-text content parts,
 `logit_bias`, a `response_format` other than text, tools for a template that does not render them, a
 prompt that leaves no room in the cache (`context_length_exceeded`), a request past the episode's token
-budget (`token_budget_exceeded`, 400; the episode then fails). An episode closed by the runner (done
-or past its deadline) answers 410.
+budget (`token_budget_exceeded`, 400; the episode then fails). An episode the runner closed (done or
+past its deadline) is no longer open: 401, or 410 for a request that was already waiting or running.
 
 Response: the OpenAI `chat.completion` object; `logprobs.content[i]` for every sampled token (`logprob`
 is the recorded log μ; `top_logprobs` come from one scoring forward under the same weights and
@@ -487,8 +487,9 @@ class ChatServer:
             self._episodes[episode_id] = EpisodeRecord(episode_id, key, weights, token_budget)
 
     def close_episode(self, episode_id: str) -> EpisodeRecord:
-        """Stop serving `episode_id` (later requests get 410) and hand its record over. A request
-        still being generated finishes first (its completion is recorded; its caller gets 410)."""
+        """Stop serving `episode_id` and hand its record over: later requests get 401 (no open episode),
+        one waiting for its turn gets 410; a request being generated finishes first (its completion
+        is recorded, its caller gets 410)."""
         with self._episodes_lock:
             record = self._episodes.pop(episode_id)
         record.closed = True
