@@ -63,7 +63,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from sao_jax.rollout.agent_loop import AgentLoopConfig, EnvFailure, _weights_getter
+from sao_jax.rollout.agent_loop import AgentLoopConfig, EnvFailure, weights_getter
 from sao_jax.rollout.sampler import Sampler
 from sao_jax.rollout.server import ChatServer, EpisodeRecord, GenerationEngine
 from sao_jax.rollout.trajectory import Trajectory
@@ -143,7 +143,7 @@ class ScaffoldLoop:
                 on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
         """One scaffold episode per prompt, `episodes_at_once` at a time; trajectories in prompt order.
         weights: a `(params, version)` pair, a callable returning one, or an object with `latest()`."""
-        weights_now = _weights_getter(weights)
+        weights_now = weights_getter(weights)
         prompts = list(prompts)
         with concurrent.futures.ThreadPoolExecutor(self.settings.episodes_at_once, "scaffold-episode") as pool:
             futures = [pool.submit(self._episode, p, jax.random.fold_in(key, first_index + i), weights_now)
@@ -156,7 +156,7 @@ class ScaffoldLoop:
         return trajectories
 
     def __call__(self, prompt, weights, key: jax.Array) -> Trajectory:
-        trajectory = self._episode(prompt, key, _weights_getter(weights))
+        trajectory = self._episode(prompt, key, weights_getter(weights))
         if trajectory.info["error"] is not None:
             raise EnvFailure(trajectory.info["error_kind"], trajectory.info["error"])
         return trajectory
