@@ -16,7 +16,6 @@ through the chat server with the episode id as its API key. smolagents is an opt
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Mapping
 
 import numpy as np
@@ -106,9 +105,7 @@ def smolagents_agent(prompt: Prompt, base_url: str, episode_id: str, *, max_step
     import smolagents  # noqa: PLC0415 — an optional dependency, needed only by this example
 
     files = dict(prompt.metadata["files"]) if files is None else files
-    with warnings.catch_warnings():  # smolagents warns that tools defined in a function may not serialize
-        warnings.filterwarnings("ignore", message="Function .* has decorators other than @tool")
-        tools = _tools(smolagents, files)
+    tools = _tools(smolagents.tool, files)
     model = smolagents.OpenAIModel(model_id="policy", api_base=base_url, api_key=episode_id, max_tokens=max_tokens,
                                    client_kwargs={"max_retries": 0, "timeout": 600})  # fmt: skip
     agent = smolagents.ToolCallingAgent(tools=tools, model=model, max_steps=max_steps,
@@ -121,10 +118,11 @@ def smolagents_agent(prompt: Prompt, base_url: str, episode_id: str, *, max_step
     return agent, files
 
 
-def _tools(smolagents, files: dict[str, str]) -> list:
-    """The agent's tools over the repository `files` (edited in place)."""
+def _tools(tool, files: dict[str, str]) -> list:
+    """The agent's tools over the repository `files` (edited in place); `tool`: smolagents' decorator
+    (spelled `@tool`, the one name smolagents' source check accepts)."""
 
-    @smolagents.tool
+    @tool
     def read_file(path: str) -> str:
         """Read a file of the repository.
 
@@ -133,7 +131,7 @@ def _tools(smolagents, files: dict[str, str]) -> list:
         """
         return files.get(path, f"no such file: {path}; the files are {sorted(files)}")
 
-    @smolagents.tool
+    @tool
     def write_file(path: str, content: str) -> str:
         """Replace a file of the repository.
 
@@ -144,7 +142,7 @@ def _tools(smolagents, files: dict[str, str]) -> list:
         files[path] = content
         return f"wrote {len(content)} characters to {path}"
 
-    @smolagents.tool
+    @tool
     def run_tests() -> str:
         """Run the repository's tests and return their output."""
         return run_tests_output(files)
