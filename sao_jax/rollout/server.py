@@ -181,6 +181,8 @@ class GenerationEngine:
                key: jax.Array, weights: tuple[Any, int]) -> concurrent.futures.Future:  # fmt: skip
         if self._failure is not None:
             raise RuntimeError("the generation engine has failed") from self._failure
+        if self._closed:
+            raise RuntimeError("the generation engine is closed")
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"{len(stop_ids)} stop tokens, at most {MAX_STOP_IDS}")
         if not 0 < len(prompt) < self.max_total_tokens:
@@ -194,6 +196,7 @@ class GenerationEngine:
         return request.future
 
     def close(self) -> None:
+        """Stop the thread; requests not finished by then fail with RuntimeError."""
         self._closed = True
         self._inbox.put(None)
         self._thread.join(timeout=30)
@@ -223,16 +226,19 @@ class GenerationEngine:
                         rows[b] = None
         except BaseException as failure:  # noqa: BLE001 — a device error: every waiting caller gets it
             self._failure = failure
-            for request in rows:
-                if request is not None and not request.future.done():
-                    request.future.set_exception(failure)
-            while True:
-                try:
-                    request = self._inbox.get_nowait()
-                except queue.Empty:
-                    return
-                if request is not None:
-                    request.future.set_exception(failure)
+        self._fail_waiting(rows, self._failure or RuntimeError("the generation engine was closed"))
+
+    def _fail_waiting(self, rows: list[_Request | None], error: BaseException) -> None:
+        """Every request still in a row or in the inbox gets `error`: no caller waits forever."""
+        waiting = [r for r in rows if r is not None]
+        while True:
+            try:
+                waiting.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        for request in waiting:
+            if request is not None and not request.future.done():
+                request.future.set_exception(error)
 
     def _step(self, state, rows: list[_Request | None]):
         """Prefill the new rows of one version, then one decode chunk for its rows."""
