@@ -95,6 +95,7 @@ def build_run(config: Config) -> Run:
     uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set."""
     cluster = Cluster.for_config(config)
     env_cls = environment_class(config.env.name)
+    scaffold = scaffold_settings(config)  # a scaffold.entry that does not import: named before anything loads
     env = config.env
     train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, RL_STREAM, key="env.train_file")
     eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, EVAL_STREAM, key="env.eval_file")
@@ -132,7 +133,7 @@ def build_run(config: Config) -> Run:
     length = config.rollout.max_total_tokens
     buckets = tuple(sorted({max(16, length // 2), length}))
     return Run(config, tokenizer, env_cls, env_options(config), train_prompts, eval_prompts, policy, buckets, cluster,
-               chat_format, scaffold_settings(config))  # fmt: skip
+               chat_format, scaffold)  # fmt: skip
 
 
 def scaffold_settings(config: Config) -> ScaffoldSettings | None:
