@@ -13,13 +13,15 @@ Pieces
                     reads the weights once, when it is admitted (`(params, version)` of its episode's
                     weight source), and finishes on them: rows of different versions are prefilled and
                     decoded by separate sampler calls (the sampler's rows are independent), and every
-                    token records the version that sampled it.
+                    token records the version that sampled it. A request's prompt is prefilled whole:
+                    a row is not kept for an episode between its requests (a scaffold may never come
+                    back), so each turn re-reads the conversation so far.
 `ChatServer`        FastAPI + uvicorn on a loopback address only (127.0.0.1 by default, a free port);
                     `open_episode(id, …)` / `close_episode(id) -> EpisodeRecord`.
 
 The episode id is the API key: a scaffold is pointed at `base_url` with `api_key=<episode id>`, and
 the request's `Authorization: Bearer <episode id>` names the episode (an id the server did not open is
-refused, 401). Requests of one episode are served one at a time, in arrival order.
+refused, 401). Requests of one episode are served one at a time.
 
 Token-exact records and re-tokenization drift
 ---------------------------------------------
