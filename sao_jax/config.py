@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -339,6 +340,31 @@ class TrainConfig:
         return out
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaffoldConfig:
+    """`env.name=scaffold`: an agent scaffold runs each episode against the policy's OpenAI-compatible
+    chat server (`sao_jax.rollout.scaffold`, `sao_jax.rollout.server`). Exactly one of `entry` (a
+    `module:function` with signature `run(prompt, base_url, episode_id) -> reward`, run on a thread) and
+    `command` (a command line run as a process; its last printed line is the reward)."""
+
+    entry: str | None = None
+    command: str | None = None
+    # Wall-clock limit of one episode; past it the episode costs its trajectory (counted) and the run goes on.
+    deadline_s: float = ranged(600.0, POSITIVE)
+    # Most tokens the policy generates in one episode, over all its requests; a scaffold that asks for
+    # more costs its trajectory.
+    max_episode_tokens: int = ranged(4096, AT_LEAST_1)
+    # Episodes run at once by a sync-mode rollout (async mode: the engine's rollout.num_slots workers);
+    # their requests share the sampler's rollout.num_slots rows.
+    episodes_at_once: int = ranged(8, AT_LEAST_1)
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.entry is not None and not re.fullmatch(r"[\w.]+:[\w.]+", self.entry):
+            return [("entry", f"must be module:function, e.g. sao_jax.envs.toy_repo:smolagents_episode (got "
+                              f"{self.entry!r})")]  # fmt: skip
+        return []
+
+
 _MESH_AXIS = Range(1, also=(-1,))
 
 
@@ -380,6 +406,7 @@ class Config:
     policy: PolicyConfig = PolicyConfig()
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()
+    scaffold: ScaffoldConfig = ScaffoldConfig()
 
     def problems(self) -> list[tuple[str, str]]:
         out = []
@@ -398,6 +425,8 @@ class Config:
             if self.advantage.gamma != 1.0:
                 out.append(("train.probe_every", f"the advantage probe's Monte-Carlo estimate is undiscounted: it needs "
                                                  f"advantage.gamma = 1 (got {self.advantage.gamma})"))  # fmt: skip
+        if self.env.name == "scaffold":
+            out += self._scaffold_problems()
         k = self.critic.updates_per_policy_update
         if self.loss.value_clip_eps is not None and k < 2:
             out.append(("loss.value_clip_eps", f"needs critic.updates_per_policy_update >= 2: the clip is around the "
@@ -405,6 +434,22 @@ class Config:
         if self.loss.value_clip_eps is not None and self.critic.value_head != "scalar":
             out.append(("loss.value_clip_eps", f"clips a scalar value head's squared error; critic.value_head="
                                                f"{self.critic.value_head} has no value clipping (set it to null)"))  # fmt: skip
+        return out
+
+
+    def _scaffold_problems(self) -> list[tuple[str, str]]:
+        """What `env.name=scaffold` needs: one way to run an episode, a chat template, no SFT, no probe."""
+        out = []
+        if (self.scaffold.entry is None) == (self.scaffold.command is None):
+            out.append(("scaffold.entry", "or scaffold.command (exactly one) must be set with env.name=scaffold"))
+        if self.model.pretrained is None:
+            out.append(("model.pretrained", "must name a Hugging Face folder with a chat template for "
+                                            "env.name=scaffold: the scaffold speaks to the model in chat messages"))
+        if self.sft.steps:
+            out.append(("sft.steps", f"must be 0 with env.name=scaffold: a scaffold has no demonstrations "
+                                     f"(got {self.sft.steps})"))
+        if self.train.probe_every:
+            out.append(("train.probe_every", "must be 0 with env.name=scaffold: the probe replays environment steps"))
         return out
 
 

@@ -1,8 +1,11 @@
 """Config loading: base inheritance, overrides, and errors that name the key."""
 
+import re
+
 import pytest
 
 from sao_jax.config import Config, ConfigError, OptimizerConfig, load_config
+from sao_jax.train.build import build_run
 
 
 def write(path, text):
@@ -113,3 +116,25 @@ def test_exponent_without_dot_is_a_float(tmp_path):
     assert load_config(path).policy.optimizer.lr == pytest.approx(1e-6)
     with pytest.raises(ConfigError, match="policy.optimizer.lr must be a number"):
         load_config(None, ["policy.optimizer.lr=fast"])
+
+
+SCAFFOLD = ["env.name=scaffold", "sft.steps=0", "model.pretrained=/no/such/folder"]
+
+
+@pytest.mark.parametrize(("overrides", "key"), [
+    (SCAFFOLD, "scaffold.entry"),  # neither entry nor command
+    ([*SCAFFOLD, "scaffold.entry=m:f", "scaffold.command=run.sh"], "scaffold.entry"),  # both
+    ([*SCAFFOLD[:2], "scaffold.entry=m:f"], "model.pretrained"),  # no chat template to speak in
+    (["env.name=scaffold", "model.pretrained=x", "scaffold.entry=m:f"], "sft.steps"),  # no demonstrations
+    ([*SCAFFOLD, "scaffold.entry=m:f", "train.probe_every=5"], "train.probe_every"),
+    (["scaffold.entry=not a function"], "scaffold.entry"),
+])  # fmt: skip
+def test_a_scaffold_run_names_what_it_is_missing(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)} "):
+        load_config(None, overrides)
+
+
+def test_a_scaffold_entry_that_does_not_import_is_named_before_anything_loads():
+    config = load_config(None, [*SCAFFOLD, "scaffold.entry=sao_jax.envs.toy_repo:no_such_function"])
+    with pytest.raises(ConfigError, match=r"^scaffold.entry=sao_jax.envs.toy_repo:no_such_function cannot be loaded"):
+        build_run(config)

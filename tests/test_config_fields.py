@@ -229,6 +229,9 @@ ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "train.queue_capacity": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
     **{f"train.probe_{name}": "the advantage probe (train.advantage_probe): tests/train/test_advantage_probe.py"
        for name in ("every", "prompts", "continuations")},
+    **{f"scaffold.{name}": "the scaffold loop of env.name=scaffold, which needs a chat model folder "
+                           "(build.scaffold_settings, rollout.scaffold): tests/rollout/test_server.py"
+       for name in ("entry", "command", "deadline_s", "max_episode_tokens", "episodes_at_once")},
     "train.wandb": "the metrics writer's W&B sink (train): tests/test_wandb.py",
     "train.wandb_project": "the metrics writer's W&B sink (train): tests/test_wandb.py",
 }

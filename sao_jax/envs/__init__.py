@@ -16,6 +16,7 @@ from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
 from sao_jax.envs.chain import ChainEnv
 from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.envs.repair import RepairEnv
+from sao_jax.envs.scaffold import ScaffoldEnv
 from sao_jax.envs.style_shift import StyleSchedule, StyleShiftEnv
 from sao_jax.envs.tir import TIREnv
 
@@ -25,6 +26,7 @@ ENVIRONMENTS: dict[str, EnvironmentClass] = {
     "guessing": GuessingEnv,
     "python_tool": PythonToolEnv,
     "repair": RepairEnv,
+    "scaffold": ScaffoldEnv,
     "style_shift": StyleShiftEnv,
     "tir": TIREnv,
 }

@@ -259,7 +259,7 @@ def _check_step_result(result) -> tuple[str, float, bool, dict]:
     return observation, float(reward), bool(done), info
 
 
-def _weights_getter(weights) -> Callable[[], tuple[Any, int]]:
+def weights_getter(weights) -> Callable[[], tuple[Any, int]]:
     """() -> (params, version) from a fixed pair, a callable, or an object with `latest()`."""
     if hasattr(weights, "latest"):
         return weights.latest
@@ -305,7 +305,7 @@ class AgentLoop:
             if on_trajectory is not None:
                 on_trajectory(trajectory)
 
-        self._run(_weights_getter(weights), take, deliver)
+        self._run(weights_getter(weights), take, deliver)
         return [finished[i] for i in sorted(finished)]
 
     def _run(self, weights_now, take, deliver) -> None:
@@ -550,7 +550,7 @@ class RolloutService:
             reply.set(trajectory)
 
         try:
-            self.loop._run(lambda: _weights_getter(self._weights)(), take, deliver)
+            self.loop._run(lambda: weights_getter(self._weights)(), take, deliver)
         except BaseException as failure:  # noqa: BLE001 — handed to every caller instead
             with self._lock:
                 self._failure = failure

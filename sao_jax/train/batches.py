@@ -17,6 +17,7 @@ from sao_jax import models
 from sao_jax.checkpoint import ResumeError
 from sao_jax.rollout.agent_loop import AgentLoop, RolloutService
 from sao_jax.rollout.engine import RolloutEngine, WeightStore
+from sao_jax.rollout.scaffold import ScaffoldLoop
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train.build import RL_STREAM, Run, usable
 from sao_jax.train.distributed import ProcessRollouts
@@ -75,7 +76,7 @@ class StreamingBatches:
     when the checkpoint was saved are not replayed.
     """
 
-    def __init__(self, run: Run, rollout_loop: AgentLoop | ProcessRollouts, weights, start_step: int,
+    def __init__(self, run: Run, rollout_loop: AgentLoop | ScaffoldLoop | ProcessRollouts, weights, start_step: int,
                  host: dict[str, Any]):  # fmt: skip
         config = run.config
         self.run, self.cluster = run, run.cluster
@@ -93,7 +94,8 @@ class StreamingBatches:
         self.positions = list(positions)
         self.store = WeightStore(self._local(weights), version=start_step)
         local_loop = rollout_loop.loop if isinstance(rollout_loop, ProcessRollouts) else rollout_loop
-        self.service = RolloutService(local_loop)
+        # A scaffold loop is itself a thread-safe rollout function; the agent loop is shared through a service.
+        self.service = local_loop if isinstance(local_loop, ScaffoldLoop) else RolloutService(local_loop)
         start = self.positions[self.process]
         self.engine = RolloutEngine(
             self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count(start)), self.store, key,

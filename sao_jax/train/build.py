@@ -7,6 +7,7 @@ Randomness: each consumer draws from its own stream, a seed folded with one of t
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 import jax
@@ -26,6 +27,7 @@ from sao_jax.outputs import join
 from sao_jax.rollout.agent_loop import AgentLoop, AgentLoopConfig
 from sao_jax.rollout.decode import resolve_decode_backend
 from sao_jax.rollout.sampler import Sampler
+from sao_jax.rollout.scaffold import ScaffoldLoop, ScaffoldSettings, command_argv
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster, ProcessRollouts
@@ -49,6 +51,7 @@ class Run:
     buckets: tuple[int, ...]
     cluster: Cluster = dataclasses.field(default_factory=Cluster)  # this process's part of the run
     chat_format: ChatFormat | None = None  # a pretrained model's: every episode is spoken in it
+    scaffold: ScaffoldSettings | None = None  # env.name=scaffold: a scaffold runs the episodes
 
     def env_factory(self, prompt):
         env = self.env_cls(**self.env_kwargs)
@@ -61,8 +64,9 @@ class Run:
         actions = (env.weak_demonstration if weak else env.demonstration)(prompt)
         return actions if self.chat_format is None else self.env_factory(prompt).chat_actions(actions)
 
-    def agent_loop(self, *, greedy: bool, env_factory=None) -> AgentLoop | ProcessRollouts:
-        """The rollout settings' agent loop (`greedy`: top-k 1); `env_factory` replaces `self.env_factory`."""
+    def agent_loop(self, *, greedy: bool, env_factory=None) -> AgentLoop | ScaffoldLoop | ProcessRollouts:
+        """The rollout settings' agent loop (`greedy`: top-k 1); `env_factory` replaces `self.env_factory`.
+        With a scaffold (`env.name=scaffold`), the `ScaffoldLoop` that runs it against the chat server."""
         r = self.config.rollout
         sampler = Sampler(
             self.policy,
@@ -80,6 +84,9 @@ class Run:
             add_bos=self.chat_format is None,  # chat templates write their own start tokens
             lockstep=self.config.train.mode == "sync",
         )
+        if self.scaffold is not None:
+            return self.cluster.rollouts(ScaffoldLoop(sampler, self.tokenizer, self.chat_format, loop_config,
+                                                      self.scaffold))  # fmt: skip
         return self.cluster.rollouts(AgentLoop(sampler, self.tokenizer, env_factory or self.env_factory, loop_config))
 
 
@@ -89,6 +96,7 @@ def build_run(config: Config) -> Run:
     uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set."""
     cluster = Cluster.for_config(config)
     env_cls = environment_class(config.env.name)
+    scaffold = scaffold_settings(config)  # a scaffold.entry that does not import: named before anything loads
     env = config.env
     train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, RL_STREAM, key="env.train_file")
     eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, EVAL_STREAM, key="env.eval_file")
@@ -126,7 +134,26 @@ def build_run(config: Config) -> Run:
     length = config.rollout.max_total_tokens
     buckets = tuple(sorted({max(16, length // 2), length}))
     return Run(config, tokenizer, env_cls, env_options(config), train_prompts, eval_prompts, policy, buckets, cluster,
-               chat_format)  # fmt: skip
+               chat_format, scaffold)  # fmt: skip
+
+
+def scaffold_settings(config: Config) -> ScaffoldSettings | None:
+    """The `scaffold` section as the scaffold loop's settings (None unless `env.name=scaffold`); an
+    `entry` that does not import is a ConfigError naming it."""
+    if config.env.name != "scaffold":
+        return None
+    scaffold = config.scaffold
+    episode_fn = None
+    if scaffold.entry is not None:
+        module, _, name = scaffold.entry.partition(":")
+        try:
+            episode_fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            raise ConfigError(f"scaffold.entry={scaffold.entry} cannot be loaded: {type(e).__name__}: {e}") from None
+    return ScaffoldSettings(episode_fn=episode_fn, command=None if scaffold.command is None else
+                            command_argv(scaffold.command), deadline_s=scaffold.deadline_s,
+                            max_episode_tokens=scaffold.max_episode_tokens,
+                            episodes_at_once=scaffold.episodes_at_once)  # fmt: skip
 
 
 def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int, *, key: str) -> list[Prompt]:

@@ -19,8 +19,17 @@ from sao_jax.train.build import Run, build_run, checkpoint_dir, make_optimizers,
 
 
 def rollout_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Reward, success, turns, action tokens, errors and truncations; for scaffold episodes also the
+    prefix mismatches (`{prefix}/prefix_mismatch`: new segments the server started) and the action
+    tokens of the earlier segments, not trained on (`{prefix}/dropped_action_tokens`)."""
     rewards = np.array([t.outcome_reward for t in trajectories])
-    return {
+    scaffold = [t.info for t in trajectories if "prefix_mismatches" in t.info]
+    if scaffold:
+        extra = {f"{prefix}/prefix_mismatch": float(sum(i["prefix_mismatches"] for i in scaffold)),
+                 f"{prefix}/dropped_action_tokens": float(sum(i["dropped_action_tokens"] for i in scaffold))}
+    else:
+        extra = {}
+    return extra | {
         f"{prefix}/trajectories": len(trajectories),
         f"{prefix}/reward_mean": float(rewards.mean()) if len(rewards) else 0.0,
         f"{prefix}/success_rate": float((rewards >= 1.0).mean()) if len(rewards) else 0.0,
