@@ -51,10 +51,12 @@ from sao_jax.outputs import free_name, is_url
 log = logging.getLogger(__name__)
 
 # Config keys that may differ on resume without `--allow-config-change`: where the run writes and
-# logs, how long it runs, how often it evaluates and saves. Every other key shapes what is trained.
+# logs, how long it runs, how often it evaluates and saves, how long it bears a failing environment.
+# Every other key shapes what is trained.
 RESUMABLE_CHANGES = (
     "output_dir", "sft.cache_dir", "train.steps", "train.eval_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.checkpoint_dir", "train.wandb", "train.wandb_project",
+    "train.max_steps_without_data", "critic.pretrain_min_usable_fraction",
 )  # fmt: skip
 
 # Loggers that report an unreadable step at length (tracebacks, a whole TensorStore spec) while

@@ -10,12 +10,21 @@ an empty disk) first pulls its metric file and config.yaml back (`pull`), so a r
 to them exactly as it would in a local directory, and a new one sees that the URL holds a run.
 Checkpoints do not pass through the mirror: Orbax writes them to `OUTPUT_DIR/checkpoints` at the
 URL itself.
+
+One run per folder: `FolderLock` holds an exclusive `flock` on a lock file in the folder for as long as
+the run works. The kernel drops the lock with the process, however it ends (kill -9 included), so a
+lock file left behind never blocks a restart; a second run on a folder still held is refused in one
+line. A URL is locked through its local mirror: that keeps two runs on one machine apart (another
+machine's run on the same URL is not seen).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import itertools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +34,44 @@ from sao_jax.errors import UserError
 
 class OutputFolderError(UserError):
     """A local output folder that cannot be created or written."""
+
+
+class FolderBusyError(UserError):
+    """Another process holds the folder's lock: one run per folder."""
+
+
+LOCK_NAME = ".sao-train.lock"  # process 0's lock file in a run's folders (`FolderLock`)
+
+
+class FolderLock:
+    """An exclusive, non-blocking `flock` on `folder/name`, held from `__enter__` to `__exit__` (or
+    until the process ends, however it ends); a second holder gets `FolderBusyError` naming the folder
+    and the config `key`. The file is created empty once and never written: taking the lock changes
+    nothing in the folder."""
+
+    def __init__(self, folder: str | Path, name: str = LOCK_NAME, *, key: str, shown: str | None = None):
+        self.path = Path(folder) / name
+        self.key, self.shown = key, shown or str(folder)
+        self._fd: int | None = None
+
+    def __enter__(self) -> FolderLock:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return self  # a filesystem without locks (some network mounts): run unlocked
+            raise FolderBusyError(f"another sao-train is running in {self.shown} ({self.key}); wait for it to end, "
+                                  f"or choose another {self.key}") from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the file drops the lock; the file stays (an unlocked file blocks no one)
+            self._fd = None
 
 
 def check_writable(folder: str | Path, key: str) -> None:
@@ -64,12 +111,17 @@ class OutputMirror:
         self.local = Path(local)
         self._pushed: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last pushed
 
+    @staticmethod
+    def local_path(url: str, process_index: int = 0) -> Path:
+        """Where process `process_index` of this machine mirrors `url`: under the system's temp dir."""
+        digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / "sao_jax_outputs" / f"{digest}_p{process_index}"
+
     @classmethod
     def fresh(cls, url: str, process_index: int = 0) -> OutputMirror:
         """A mirror of `url` in an emptied directory under the system's temp dir, one per process
-        (processes of one run on one host must not share it)."""
-        digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-        local = Path(tempfile.gettempdir()) / "sao_jax_outputs" / f"{digest}_p{process_index}"
+        (processes of one run on one host must not share it; a run locks it first: `FolderLock`)."""
+        local = cls.local_path(url, process_index)
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         return cls(url, local)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from sao_jax.config import Config, to_dict
 from sao_jax.metrics import MetricsWriter
 from sao_jax.optim import adamw, train_only
 from sao_jax.rollout.agent_loop import AgentLoop
+from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
 from sao_jax.rollout.trajectory import collate
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.build import (
@@ -157,7 +159,9 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
-    corpus, failed = usable(rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1)))
+    rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1))
+    corpus, failed = usable(rollouts)
+    check_pretraining_corpus(config, rollouts, len(corpus))
     tx, value_update = value_pretraining_update(graphs, config)
     value_update = run.cluster.step(value_update)
     pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
@@ -173,6 +177,22 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
         writer.write(0, {"stage": "value_pretrain", "value_pretrain/epoch": epoch, "value_pretrain/corpus": len(corpus),
                          "value_pretrain/failed_rollouts": failed, **mean})  # fmt: skip
     return run.cluster.place(pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params)))
+
+
+def check_pretraining_corpus(config: Config, rollouts, num_usable: int) -> None:
+    """Raise `DeadEnvironmentError` when fewer rollouts are usable than value pretraining's floor:
+    `critic.pretrain_min_usable_fraction` of `critic.pretrain_rollouts`, and one batch at least."""
+    critic_cfg = config.critic
+    floor = max(math.ceil(critic_cfg.pretrain_min_usable_fraction * critic_cfg.pretrain_rollouts),
+                config.train.batch_size)  # fmt: skip
+    if num_usable >= floor:
+        return
+    errors = FailureTally(t.info["error"] for t in rollouts if t.info.get("error") is not None)
+    raise DeadEnvironmentError(
+        f"value pretraining got {num_usable} usable rollouts of {len(rollouts)}, fewer than its floor of {floor} "
+        f"(critic.pretrain_min_usable_fraction={critic_cfg.pretrain_min_usable_fraction} of "
+        f"critic.pretrain_rollouts={critic_cfg.pretrain_rollouts}, and one train.batch_size at least): the "
+        f"environment failed {errors.total}, {errors.describe()}")  # fmt: skip
 
 
 def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
