@@ -126,3 +126,15 @@ def test_run_summary_reports_the_warm_start_and_whether_the_gain_beats_its_noise
     assert small["learned"] is False  # 0.125 < 2 · sqrt((0.1875 + 0.234375) / 64) = 0.1624
     assert "did not learn" in evaluation.summary_line(small)
     assert evaluation.run_summary(lines[:3], num_eval_prompts=64, steps=0).get("learned") is None
+
+
+def test_run_summary_never_reports_an_evaluation_that_did_not_run():
+    """Every RL step lost its rollouts (skipped, no evaluation after step 0): the end is None, not the
+    start again, and no step counts as trained."""
+    lines = [{"step": 0, "eval/success_rate": 0.25}, *({"step": s, "train/skipped_no_data": 1} for s in (1, 2, 3))]
+    summary = evaluation.run_summary(lines, num_eval_prompts=8)
+    assert (summary["eval_success_start"], summary["eval_success_end"], summary["steps"]) == (0.25, None, 0)
+    assert "gain" not in summary
+    assert evaluation.summary_line(summary) == "held-out success: not evaluated twice (no verdict)"
+    trained = [*lines, {"step": 4, "train/reward_mean": 0.5}, {"step": 5, "eval/success_rate": 0.5}]
+    assert evaluation.run_summary(trained, num_eval_prompts=8)["steps"] == 2  # steps 4 and 5 trained
