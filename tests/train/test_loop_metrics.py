@@ -138,3 +138,36 @@ def test_run_summary_never_reports_an_evaluation_that_did_not_run():
     assert evaluation.summary_line(summary) == "held-out success: not evaluated twice (no verdict)"
     trained = [*lines, {"step": 4, "train/reward_mean": 0.5}, {"step": 5, "eval/success_rate": 0.5}]
     assert evaluation.run_summary(trained, num_eval_prompts=8)["steps"] == 2  # steps 4 and 5 trained
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other_shapes"])
+def test_an_unreadable_sft_cache_entry_is_named_moved_aside_and_redone(tmp_path, caplog, damage):
+    def sft(name):
+        config = load_config(overrides=["model.preset=tiny_qwen3_moe", "sft.steps=2", "sft.batch_size=4",
+                                        "sft.target_demonstration_probability=0", "env.train_prompts=16",
+                                        "env.difficulty=[1]", "rollout.max_total_tokens=64",
+                                        f"sft.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / name}"])  # fmt: skip
+        with MetricsWriter(tmp_path / name, tensorboard=False) as writer:
+            params = warm_start.run_sft(build.build_run(config), writer)
+        return jax.tree.map(np.asarray, params), config
+
+    stored, config = sft("stored")
+    entry = tmp_path / "cache" / f"sft_{warm_start.sft_cache_key(config)}.npz"
+    if damage == "truncated":
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # a copy cut short
+    else:
+        leaves = {f"leaf_{i}": np.zeros(3) for i in range(len(jax.tree.leaves(stored)))}
+        np.savez(entry, metrics="[]", **leaves)
+    damaged = entry.read_bytes()
+    with caplog.at_level("WARNING", logger="sao_jax"):
+        redone, _ = sft("redone")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and said[0].startswith(f"the SFT cache entry {entry} is unreadable (")
+    assert said[0].endswith(f"moved it aside to {entry.with_suffix('.unreadable.npz')} and training the warm start again")
+    assert entry.with_suffix(".unreadable.npz").read_bytes() == damaged  # kept for whoever wants to look
+    for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(redone)):  # redone: the same warm start
+        np.testing.assert_array_equal(a, b)
+    assert _sft_lines(tmp_path / "redone") == _sft_lines(tmp_path / "stored") != []
+    loaded, _ = sft("loaded")  # and stored again, whole
+    for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(a, b)
