@@ -10,6 +10,7 @@ from sao_jax.config import load_config
 from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
 from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.metrics import MetricsWriter, read_metrics
+from sao_jax.rollout.failures import DeadEnvironmentError
 from sao_jax.train import batches, build, evaluation, warm_start
 
 
@@ -171,3 +172,21 @@ def test_an_unreadable_sft_cache_entry_is_named_moved_aside_and_redone(tmp_path,
     loaded, _ = sft("loaded")  # and stored again, whole
     for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(loaded)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_value_pretraining_needs_its_floor_of_usable_rollouts():
+    """At most half of critic.pretrain_rollouts (by default) may fail, and one batch must be left:
+    below that the run stops naming the most frequent error, instead of an IndexError."""
+    config = load_config(overrides=["critic.pretrain_rollouts=8", "train.batch_size=4"])
+    failed = [_trajectory({}) for _ in range(5)]
+    for i, t in enumerate(failed):
+        t.info["error"] = "env.step raised RuntimeError: gone" if i else "env.reset did not return within its deadline"
+    with pytest.raises(DeadEnvironmentError, match=r"^value pretraining got 3 usable rollouts of 8, fewer than its "
+                                                   r"floor of 4 .* the environment failed 5, most often "
+                                                   r"'env.step raised RuntimeError: gone' \(4 times\)$"):  # fmt: skip
+        warm_start.check_pretraining_corpus(config, failed + [_trajectory({}) for _ in range(3)], 3)
+    warm_start.check_pretraining_corpus(config, failed[:4] + [_trajectory({}) for _ in range(4)], 4)
+    lenient = load_config(overrides=["critic.pretrain_rollouts=8", "train.batch_size=4",
+                                     "critic.pretrain_min_usable_fraction=0"])  # fmt: skip
+    with pytest.raises(DeadEnvironmentError, match="fewer than its floor of 4"):  # one batch, whatever the share
+        warm_start.check_pretraining_corpus(lenient, failed + [_trajectory({}) for _ in range(3)], 3)
