@@ -11,11 +11,11 @@ to them exactly as it would in a local directory, and a new one sees that the UR
 Checkpoints do not pass through the mirror: Orbax writes them to `OUTPUT_DIR/checkpoints` at the
 URL itself.
 
-One run per folder: `FolderLock` holds an exclusive `flock` on a lock file in the folder for as long as
-the run works. The kernel drops the lock with the process, however it ends (kill -9 included), so a
-lock file left behind never blocks a restart; a second run on a folder still held is refused in one
-line. A URL is locked through its local mirror: that keeps two runs on one machine apart (another
-machine's run on the same URL is not seen).
+One run per folder: `FolderLock` holds an exclusive `flock` on the folder itself for as long as the
+run works, writing nothing in it. The kernel drops the lock with the process, however it ends (kill -9
+included), so nothing left behind can block a restart; a second run on a folder still held is refused
+in one line. A URL is locked through a lock file beside its local mirror: that keeps two runs on one
+machine apart (another machine's run on the same URL is not seen).
 """
 
 from __future__ import annotations
@@ -40,23 +40,21 @@ class FolderBusyError(UserError):
     """Another process holds the folder's lock: one run per folder."""
 
 
-LOCK_NAME = ".sao-train.lock"  # process 0's lock file in a run's folders (`FolderLock`)
-
-
 class FolderLock:
-    """An exclusive, non-blocking `flock` on `folder/name`, held from `__enter__` to `__exit__` (or
-    until the process ends, however it ends); a second holder gets `FolderBusyError` naming the folder
-    and the config `key`. The file is created empty once and never written: taking the lock changes
-    nothing in the folder."""
+    """An exclusive, non-blocking `flock` on `folder` itself (made if missing), or with `name` on the
+    file `folder/name` (made empty if missing), held from `__enter__` to `__exit__` or until the process
+    ends, however it ends; a second holder gets `FolderBusyError` naming the folder (`shown`) and the
+    config `key`. On a filesystem without locks it holds nothing."""
 
-    def __init__(self, folder: str | Path, name: str = LOCK_NAME, *, key: str, shown: str | None = None):
-        self.path = Path(folder) / name
+    def __init__(self, folder: str | Path, name: str | None = None, *, key: str, shown: str | None = None):
+        self.folder, self.name = Path(folder), name
         self.key, self.shown = key, shown or str(folder)
         self._fd: int | None = None
 
     def __enter__(self) -> FolderLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = (os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY) if self.name is None
+              else os.open(self.folder / self.name, os.O_RDWR | os.O_CREAT, 0o644))  # fmt: skip
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
@@ -70,7 +68,7 @@ class FolderLock:
 
     def __exit__(self, *exc: object) -> None:
         if self._fd is not None:
-            os.close(self._fd)  # closing the file drops the lock; the file stays (an unlocked file blocks no one)
+            os.close(self._fd)  # closing it drops the lock
             self._fd = None
 
 

@@ -28,7 +28,7 @@ from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, to_dict
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
-from sao_jax.outputs import LOCK_NAME, FolderLock, OutputMirror, check_writable, free_name, is_url
+from sao_jax.outputs import FolderLock, OutputMirror, check_writable, free_name, is_url
 from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
@@ -65,20 +65,22 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
 
 
 def run_folder_locks(config: Config) -> contextlib.ExitStack:
-    """The locks of a run's folders (`outputs.FolderLock`), held until the stack closes: output_dir (for a
-    URL, its local mirror on this machine) and a local train.checkpoint_dir. One lock file per process."""
+    """The locks of a run's folders (`outputs.FolderLock`), held until the stack closes: output_dir (a
+    URL's local mirror on this machine) and a local train.checkpoint_dir. The processes of one run
+    share them: process 0 locks them, process p > 0 its own folder of output_dir (`process_<p>`)."""
     process = jax.process_index()
-    name = LOCK_NAME if process == 0 else f"{LOCK_NAME}.process_{process}"
     stack = contextlib.ExitStack()
     with stack:
         if is_url(config.output_dir):
             mirror = OutputMirror.local_path(config.output_dir, process)
             stack.enter_context(FolderLock(mirror.parent, f"{mirror.name}.lock", key="output_dir",
                                            shown=config.output_dir))  # fmt: skip
+        elif process == 0:
+            stack.enter_context(FolderLock(config.output_dir, key="output_dir"))
         else:
-            stack.enter_context(FolderLock(config.output_dir, name, key="output_dir"))
-        if config.train.checkpoint_dir is not None and not is_url(config.train.checkpoint_dir):
-            stack.enter_context(FolderLock(config.train.checkpoint_dir, name, key="train.checkpoint_dir"))
+            stack.enter_context(FolderLock(Path(config.output_dir) / f"process_{process}", key="output_dir"))
+        if process == 0 and config.train.checkpoint_dir is not None and not is_url(config.train.checkpoint_dir):
+            stack.enter_context(FolderLock(config.train.checkpoint_dir, key="train.checkpoint_dir"))
         return stack.pop_all()
 
 
