@@ -51,10 +51,21 @@ from sao_jax.outputs import free_name, is_url
 log = logging.getLogger(__name__)
 
 # Config keys that may differ on resume without `--allow-config-change`: where the run writes and
-# logs, how long it runs, how often it evaluates and saves. Every other key shapes what is trained.
+# logs, how long it runs, how often it evaluates and saves, how long it bears a failing environment.
+# Every other key shapes what is trained.
 RESUMABLE_CHANGES = (
     "output_dir", "sft.cache_dir", "train.steps", "train.eval_every", "train.checkpoint_every",
     "train.keep_checkpoints", "train.checkpoint_dir", "train.wandb", "train.wandb_project",
+    "train.max_steps_without_data", "critic.pretrain_min_usable_fraction",
+)  # fmt: skip
+
+# Config keys that decide the train state's arrays (their shapes, or which arrays there are). A step
+# that does not restore under a config differing from its own in one of them (`sao-eval`, or
+# `--allow-config-change`, compare no config) is named with that key, not called unreadable.
+SHAPING_KEYS = (
+    "model.preset", "model.pretrained", "model.param_dtype", "critic.trainable_patterns", "env.train_prompts",
+    "env.train_file", "advantage.estimator", "advantage.running_mean_scope", "advantage.running_mean_window",
+    "loss.kl_coef",
 )  # fmt: skip
 
 # Loggers that report an unreadable step at length (tracebacks, a whole TensorStore spec) while
@@ -310,6 +321,12 @@ class Checkpointer:
                 raise
             except Exception as error:  # noqa: BLE001 — any unreadable step is skipped, in one line
                 _drop_abandoned_reads(str(self.directory))
+                reshaped = self._shaping_changes(step) if allow_config_change else []
+                if reshaped:
+                    raise ResumeError(
+                        f"checkpoint step {step} in {self.directory} was saved under another model or state "
+                        f"({'; '.join(reshaped)}), whose arrays this config's do not fit: pass the run's own values "
+                        "of these keys") from None  # fmt: skip
                 unreadable.append((step, _cause(error)))
                 log.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, unreadable[-1][1])
                 continue
@@ -318,6 +335,15 @@ class Checkpointer:
             causes = "; ".join(f"step {s}: {cause}" for s, cause in unreadable)
             raise ResumeError(f"no readable checkpoint in {self.directory} ({causes})")
         return None
+
+    def _shaping_changes(self, step: int) -> list[str]:
+        """`config_changes` of `step` in `SHAPING_KEYS` (none when its config does not read either)."""
+        try:
+            with _quiet():
+                saved = self.saved_config(step)
+        except Exception:  # noqa: BLE001 — a step whose config does not read is simply unreadable
+            return []
+        return [change for change in config_changes(saved, self.config) if change.split(":")[0] in SHAPING_KEYS]
 
     def set_aside(self, steps: tuple[int, ...]) -> None:
         """Rename each of `steps` to `<step>.unreadable` (or `<step>.unreadable-2`, …): out of Orbax's

@@ -5,7 +5,9 @@ on the CPU. `--gae-demo` instead prints skip- vs cross-observation GAE on one mu
 Several processes (one per host) make one run when each is started with `--distributed` (pods,
 clusters) or `--coordinator HOST:PORT --num-processes N --process-id I` (`sao_jax.train.distributed`).
 A user's mistake (a key, a value, a file or a folder: `sao_jax.errors.UserError`) is one stderr line
-`error: …` and exit 2 before any work is done; `--debug` shows its traceback too.
+`error: …` and exit 2 before any work is done; `--debug` shows its traceback too. A fault that stops
+the run partway (`sao_jax.errors.RunError`: an environment that fails every rollout) is one line too,
+exit 3; `--debug` also logs the first failed rollout's traceback in full.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from sao_jax.config import load_config
-from sao_jax.errors import UserError
+from sao_jax.errors import RunError, UserError
 from sao_jax.outputs import join
 
 
@@ -29,7 +31,8 @@ def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.
     parser.add_argument("--config", help="YAML config file (may name `base:`)")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, applied last")
     parser.add_argument("--debug", action="store_true",
-                        help="show the traceback of a user error (a bad key, file or folder) too")
+                        help="show the traceback of a user error (a bad key, file or folder) or of a fault that "
+                             "stops the run, and the first failed rollout's in full")
     processes = parser.add_argument_group(
         "multi-process runs", "one process per host, every process started with the same config and overrides")
     processes.add_argument("--distributed", action="store_true",
@@ -89,14 +92,15 @@ def _load(args: argparse.Namespace):
 
 
 def _user_errors_exit_2(command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """`command(args)`; a `UserError` becomes one stderr line `error: …` and exit 2 (raised with --debug)."""
+    """`command(args)`; a `UserError` becomes one stderr line `error: …` and exit 2, a `RunError` one line
+    and its `exit_status` (both raised with --debug)."""
     try:
         return command(args)
-    except UserError as e:
+    except (UserError, RunError) as e:
         if args.debug:
             raise
         print("error: " + " ".join(str(e).split()), file=sys.stderr)
-        return 2
+        return e.exit_status if isinstance(e, RunError) else 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args: argparse.Namespace) -> int:
     config = _load(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    logging.getLogger("sao_jax").setLevel(logging.INFO)
+    logging.getLogger("sao_jax").setLevel(logging.DEBUG if args.debug else logging.INFO)
     if args.gae_demo:
         print(gae_demo(gamma=config.advantage.gamma, lam=config.advantage.lam_policy))
         return 0

@@ -165,6 +165,10 @@ class CriticConfig:
     # Value-pretraining corpus size ("scaled value pretraining" = more); 0: no value pretraining.
     pretrain_rollouts: int = ranged(256, NON_NEGATIVE)
     pretrain_epochs: int = ranged(4, AT_LEAST_1)
+    # The share of the `pretrain_rollouts` that must be usable (the environment did not fail them), and
+    # never fewer than one batch (train.batch_size); below it the run stops naming the environment's
+    # most frequent error, instead of pretraining the critic on what little is left.
+    pretrain_min_usable_fraction: float = ranged(0.5, UNIT)
     pretrain_lr: float = ranged(1e-3, POSITIVE)
     # What value pretraining trains. None (the default): `trainable_patterns`, the RL set. SAO's reason to
     # freeze attention (§3.2: the policy's attention already reads the right tokens; the critic learns
@@ -316,6 +320,10 @@ class TrainConfig:
     mode: str = "sync"  # "sync": deterministic lockstep; "async": streaming single rollouts
     max_staleness: int = ranged(4, NON_NEGATIVE)  # async: drop trajectories sampled more than this many versions ago
     queue_capacity: int = ranged(64, AT_LEAST_1)  # async: finished trajectories waiting for the trainer
+    # RL steps in a row without one usable trajectory (every rollout, or a member of every group, failed
+    # in the environment) before the run stops with one line naming the environment's most frequent
+    # error (exit 3). Async: that many steps' worth of rollouts failing in a row.
+    max_steps_without_data: int = ranged(3, AT_LEAST_1)
     # Memory of a train step (the numbers do not change): rows per micro-batch, their gradients summed
     # (0 = the whole batch at once; must divide the batch), and positions per piece of the policy's
     # logits, each piece made and dropped (0 = the whole sequence's [time, vocab] logits at once).

@@ -10,12 +10,21 @@ an empty disk) first pulls its metric file and config.yaml back (`pull`), so a r
 to them exactly as it would in a local directory, and a new one sees that the URL holds a run.
 Checkpoints do not pass through the mirror: Orbax writes them to `OUTPUT_DIR/checkpoints` at the
 URL itself.
+
+One run per folder: `FolderLock` holds an exclusive `flock` on the folder itself for as long as the
+run works, writing nothing in it. The kernel drops the lock with the process, however it ends (kill -9
+included), so nothing left behind can block a restart; a second run on a folder still held is refused
+in one line. A URL is locked through a lock file beside its local mirror: that keeps two runs on one
+machine apart (another machine's run on the same URL is not seen).
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import itertools
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -25,6 +34,42 @@ from sao_jax.errors import UserError
 
 class OutputFolderError(UserError):
     """A local output folder that cannot be created or written."""
+
+
+class FolderBusyError(UserError):
+    """Another process holds the folder's lock: one run per folder."""
+
+
+class FolderLock:
+    """An exclusive, non-blocking `flock` on `folder` itself (made if missing), or with `name` on the
+    file `folder/name` (made empty if missing), held from `__enter__` to `__exit__` or until the process
+    ends, however it ends; a second holder gets `FolderBusyError` naming the folder (`shown`) and the
+    config `key`. On a filesystem without locks it holds nothing."""
+
+    def __init__(self, folder: str | Path, name: str | None = None, *, key: str, shown: str | None = None):
+        self.folder, self.name = Path(folder), name
+        self.key, self.shown = key, shown or str(folder)
+        self._fd: int | None = None
+
+    def __enter__(self) -> FolderLock:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        fd = (os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY) if self.name is None
+              else os.open(self.folder / self.name, os.O_RDWR | os.O_CREAT, 0o644))  # fmt: skip
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                return self  # a filesystem without locks (some network mounts): run unlocked
+            raise FolderBusyError(f"another sao-train is running in {self.shown} ({self.key}); wait for it to end, "
+                                  f"or choose another {self.key}") from None
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing it drops the lock
+            self._fd = None
 
 
 def check_writable(folder: str | Path, key: str) -> None:
@@ -64,12 +109,17 @@ class OutputMirror:
         self.local = Path(local)
         self._pushed: dict[str, tuple[int, int]] = {}  # relative path -> (size, mtime_ns) last pushed
 
+    @staticmethod
+    def local_path(url: str, process_index: int = 0) -> Path:
+        """Where process `process_index` of this machine mirrors `url`: under the system's temp dir."""
+        digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
+        return Path(tempfile.gettempdir()) / "sao_jax_outputs" / f"{digest}_p{process_index}"
+
     @classmethod
     def fresh(cls, url: str, process_index: int = 0) -> OutputMirror:
         """A mirror of `url` in an emptied directory under the system's temp dir, one per process
-        (processes of one run on one host must not share it)."""
-        digest = hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16]
-        local = Path(tempfile.gettempdir()) / "sao_jax_outputs" / f"{digest}_p{process_index}"
+        (processes of one run on one host must not share it; a run locks it first: `FolderLock`)."""
+        local = cls.local_path(url, process_index)
         shutil.rmtree(local, ignore_errors=True)
         local.mkdir(parents=True)
         return cls(url, local)

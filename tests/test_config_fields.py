@@ -223,6 +223,10 @@ ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
                            "tests/train/test_real_inputs.py",
     "critic.pretrain_rollouts": "value pretraining's corpus (run_value_pretraining): tests/train/test_multiprocess.py",
     "critic.pretrain_epochs": "value pretraining's epochs (run_value_pretraining): tests/train/test_multiprocess.py",
+    "critic.pretrain_min_usable_fraction": "value pretraining's floor (check_pretraining_corpus): "
+                                           "tests/train/test_loop_metrics.py, tests/train/test_dead_environment.py",
+    "train.max_steps_without_data": "the RL loop's and the async engine's bound (rl_loop, StreamingBatches): "
+                                    "tests/train/test_dead_environment.py",
     "train.batch_size": "the rows each batch source collates (rl_loop): tests/train/test_groups_trace.py",
     "train.keep_checkpoints": "the Checkpointer's retention (train): tests/test_checkpoint.py",
     "train.max_staleness": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",

@@ -196,6 +196,12 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=True)
 
+    @property
+    def unk_id(self) -> int | None:
+        """The id text outside the vocabulary becomes, or None when every text has ids (byte-level BPE)."""
+        unk = getattr(self._tokenizer.model, "unk_token", None)
+        return None if not unk else self._tokenizer.token_to_id(unk)
+
     def encode(self, text: str) -> np.ndarray:
         """Token ids of `text`, no BOS/EOS added; special-token strings become their ids."""
         return np.asarray(self._tokenizer.encode(text, add_special_tokens=False).ids, np.int32)

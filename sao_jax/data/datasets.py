@@ -1,7 +1,8 @@
 """Prompt files and the Grain pipeline that feeds prompts to the rollout engine.
 
-A prompt file is JSON Lines (`.jsonl`, one object per line; blank lines are allowed) or Parquet
-(`.parquet`, one row per prompt). Fields of each record:
+A prompt file is JSON Lines (`.jsonl`, one object per line in UTF-8; blank lines are allowed; gzipped,
+`.jsonl.gz` or a `.jsonl` holding gzip, is read as it stands) or Parquet (`.parquet`, one row per
+prompt). Fields of each record:
 
     prompt      str, not empty              -> Prompt.text
     answer      str, or a number (as text)  -> Prompt.answer
@@ -10,8 +11,10 @@ A prompt file is JSON Lines (`.jsonl`, one object per line; blank lines are allo
     metadata    object, optional            -> Prompt.metadata, together with every other field
 
 A null optional field counts as absent (Parquet writes absent values as nulls). Anything malformed is a
-`DatasetError` naming the file, the line (1-based, JSONL) or row (0-based, Parquet) and the field; no
-record is ever skipped.
+`DatasetError` naming the file, the line (1-based, JSONL) or row (0-based, Parquet) and the field (the
+column, 1-based in characters, of a byte that is not UTF-8 or of where the JSON breaks); no record is
+ever skipped. `read_prompt_records` also gives each prompt's place and line, for checks that need the
+run (`sao_jax.train.build.check_prompt`: the tokenizer's vocabulary, the rollout's length).
 
 `prompt_loader` shuffles, repeats and shards a prompt list with Grain's own `MapDataset` pieces:
 
@@ -23,8 +26,10 @@ order is a function of (seed, shard) alone, and the iterator's state is `{"next_
 
 from __future__ import annotations
 
+import gzip
 import json
 import numbers
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -43,41 +48,65 @@ class DatasetError(UserError, ValueError):
 
 
 def read_prompts(path: str | Path) -> list[Prompt]:
-    """The prompts of a `.jsonl` or `.parquet` file (fields in the module docstring), in file order."""
+    """The prompts of a `.jsonl` (or `.jsonl.gz`) or `.parquet` file (fields in the module docstring),
+    in file order."""
+    return [prompt for _, prompt, _ in read_prompt_records(path)]
+
+
+def read_prompt_records(path: str | Path) -> list[tuple[str, Prompt, str | None]]:
+    """(where, prompt, line) for each prompt of the file, in file order: where it is ("FILE, line N"
+    or "FILE, row N") and, for JSON Lines, the text of its line."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
-    if path.suffix == ".jsonl":
+    if path.suffix == ".jsonl" or path.suffixes[-2:] == [".jsonl", ".gz"]:
         records = _jsonl_records(path)
     elif path.suffix == ".parquet":
         records = _parquet_records(path)
     else:
-        raise DatasetError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl or .parquet)")
-    prompts, first_seen = [], {}
-    for index, (where, record) in enumerate(records):
+        raise DatasetError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .jsonl.gz or .parquet)")
+    out, first_seen = [], {}
+    for index, (where, record, line) in enumerate(records):
         prompt = _prompt(record, index, where)
         if prompt.id in first_seen:
             raise DatasetError(f"{where}: field 'id': {prompt.id} repeats the id of {first_seen[prompt.id]}")
         first_seen[prompt.id] = where
-        prompts.append(prompt)
-    if not prompts:
+        out.append((where, prompt, line))
+    if not out:
         raise DatasetError(f"{path}: no prompts in the file")
-    return prompts
+    return out
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}, line {number}"
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any, str]]:
+    with path.open("rb") as raw:
+        gzipped = raw.read(2) == GZIP_MAGIC
+    try:
+        with (gzip.open(path, "rb") if gzipped else path.open("rb")) as lines:
+            for number, data in enumerate(lines, start=1):
+                where = f"{path}, line {number}"
+                data = data.rstrip(b"\r\n")  # a line's end is no part of its JSON: columns count within it
+                try:
+                    line = data.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    column = len(data[: e.start].decode("utf-8", errors="replace")) + 1
+                    raise DatasetError(f"{where}: not UTF-8 text (byte {data[e.start]:#04x} at column {column}); "
+                                       "save the file as UTF-8") from None  # fmt: skip
+                if not line.strip():
+                    continue
+                try:
+                    yield where, json.loads(line), line
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+    except (OSError, EOFError, zlib.error) as e:  # a damaged or truncated gzip stream
+        if not gzipped:
+            raise
+        raise DatasetError(f"{path}: not a readable gzip file ({type(e).__name__}: {e})") from None
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, Any, None]]:
     import pyarrow.parquet as pq
 
     try:
@@ -85,7 +114,7 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     except Exception as e:  # noqa: BLE001 — pyarrow raises several types for a damaged file
         raise DatasetError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
     for index, row in enumerate(rows):
-        yield f"{path}, row {index}", row
+        yield f"{path}, row {index}", row, None
 
 
 def _prompt(record: Any, index: int, where: str) -> Prompt:

@@ -20,15 +20,18 @@ an interpreter that any uid may execute exists (the caller's, else /usr/bin/pyth
                parent's environment and command line are not visible. /sys stays visible, read-only.
   lifetime     is pid 1 of a fresh pid namespace: when it exits or is killed the kernel kills every
                process in the namespace, and `run_python` returns only after that. SysV IPC objects live in
-               a private IPC namespace and vanish with it.
+               a private IPC namespace and vanish with it. It dies with its caller too: every process of
+               the chain (`unshare`, the launcher, the program) has a parent-death signal (SIGKILL), so a
+               caller killed mid-call (kill -9, a preempted VM) leaves nothing running.
   resources    per-process rlimits: address space and data segment (`memory_mb`), CPU seconds
                (ceil(timeout_s) + 1), processes and threads (`max_processes`; the count is per uid, hence the
                per-call uid), 64 open files, file size (`scratch_mb`), no core dumps; a wall-clock timeout
                (`timed_out`); stdout and stderr each kept up to `max_output_bytes` — a program that writes
                more is killed there (`output_truncated`), so the caller's memory stays bounded.
 "rlimits" — any other Linux (not root, no `unshare`, old kernel): the same rlimits, timeout and output cap,
-  an empty environment, a fresh scratch directory as cwd (deleted afterwards) and a kill of the process
-  group. NOT guaranteed at this level: network isolation, file-system isolation (the code runs as the
+  an empty environment, a fresh scratch directory as cwd (deleted afterwards), a kill of the process
+  group, and the program's own parent-death signal (it dies with its caller; processes it starts do
+  not). NOT guaranteed at this level: network isolation, file-system isolation (the code runs as the
   caller's user and can write wherever the caller can), hiding the parent's /proc entries, killing
   descendants that leave the process group with setsid(), and — when the caller is root — the process
   limit (root is exempt from RLIMIT_NPROC).
@@ -37,8 +40,9 @@ during the timeout, side channels; total memory is bounded by `max_processes × 
 (rlimits, not a cgroup). Other operating systems: `SandboxUnavailableError`.
 
 Run as a script (`python -I -S python_tool.py SPEC_JSON`) this file is the in-sandbox launcher: it sets up
-the mounts, rlimits and uid from inside the new namespaces, then execs the sandboxed interpreter. It
-therefore imports only the standard library.
+the mounts, rlimits and uid from inside the new namespaces, then execs the sandboxed interpreter; as
+`python -I -S python_tool.py --die-with PID COMMAND...` it arms its parent-death signal (if its parent is
+still PID) and execs COMMAND (`unshare`), which keeps it. It therefore imports only the standard library.
 """
 
 from __future__ import annotations
@@ -279,10 +283,12 @@ def _start_and_collect(source: bytes, limits: _Limits, level: str, python: str, 
         "max_processes": limits.max_processes,
         "scratch_bytes": limits.scratch_mb * 2**20,
     }
-    launcher = [sys.executable, "-I", "-S", os.path.abspath(__file__), json.dumps(spec)]
-    if level == NAMESPACES:
-        launcher = [shutil.which("unshare"), "--net", "--mount", "--pid", "--ipc", "--fork",
-                    "--kill-child=SIGKILL", "--mount-proc", *launcher]
+    spec["parent_pid"] = os.getpid()  # the launcher dies with this process (`_die_with`)
+    this_file = [sys.executable, "-I", "-S", os.path.abspath(__file__)]
+    launcher = [*this_file, json.dumps(spec)]
+    if level == NAMESPACES:  # unshare dies with this process too: its parent-death signal survives the exec
+        launcher = [*this_file, "--die-with", str(os.getpid()), shutil.which("unshare"), "--net", "--mount", "--pid",
+                    "--ipc", "--fork", "--kill-child=SIGKILL", "--mount-proc", *launcher]  # fmt: skip
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -476,6 +482,17 @@ _SYS_MOUNT_SETATTR = 442  # the same number on every architecture but alpha
 _PR_SET_PDEATHSIG, _PR_SET_NO_NEW_PRIVS = 1, 38
 
 
+def _die_with(parent_pid: int) -> None:
+    """Arm this process's parent-death signal (SIGKILL), kept across exec of a program that is not
+    set-uid; if the parent `parent_pid` is already gone, die now (it went before the signal was armed)."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PDEATHSIG)")
+    if os.getppid() != parent_pid:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _launch(spec: dict[str, Any]) -> None:
     """Set up the sandbox from inside it, then exec `python -I -` (reads the program from stdin)."""
     import ctypes
@@ -488,6 +505,8 @@ def _launch(spec: dict[str, Any]) -> None:
             raise OSError(errno, f"{what}: {os.strerror(errno)}")
 
     uid, scratch = spec["uid"], spec["scratch"]
+    if not spec["namespaces"]:  # the caller's child: dies with it (under unshare, re-armed below)
+        _die_with(spec["parent_pid"])
     if spec["namespaces"]:
         class MountAttr(ctypes.Structure):
             _fields_ = [("attr_set", ctypes.c_uint64), ("attr_clr", ctypes.c_uint64),
@@ -526,6 +545,9 @@ def _launch(spec: dict[str, Any]) -> None:
 
 if __name__ == "__main__":
     try:
+        if sys.argv[1] == "--die-with":
+            _die_with(int(sys.argv[2]))
+            os.execv(sys.argv[3], sys.argv[3:])
         _launch(json.loads(sys.argv[1]))
     except BaseException as e:  # report setup failures distinctly from the program's own errors
         sys.stderr.write(f"{_SETUP_ERROR_PREFIX}{type(e).__name__}: {e}\n")

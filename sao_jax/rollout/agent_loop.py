@@ -17,9 +17,11 @@ threads while the other rows keep decoding; each call has a deadline of `env_tim
 Failures are per trajectory: an environment (or its factory) that raises, does not answer within its
 deadline, or returns something that is not `StepResult(observation: str, reward: real, done: bool,
 info: dict)` (or a non-str first observation, or text outside the tokenizer's vocabulary) ends that
-trajectory with `info["error"]` / `info["error_kind"]` set and `stats` counted; the batch goes on. A
-hung call's thread is abandoned (Python cannot kill it), never joined. Such a trajectory's reward is not
-the task's verdict: the engine or trainer should drop it (`RolloutService` raises it as `EnvFailure`).
+trajectory with `info["error"]` / `info["error_kind"]` set and `stats` counted; the batch goes on.
+A hung call's thread is abandoned (Python cannot kill it), never joined. Such a trajectory's reward
+is not the task's verdict: the engine or trainer should drop it (`RolloutService` raises it as
+`EnvFailure`). Nothing is printed per failure: the first one's traceback is logged at DEBUG level
+(`sao_jax.rollout.failures`), the rest are only counted.
 
 Trajectory layout (`sao_jax.rollout.trajectory.Trajectory`), with turn k = action a_k and observation o_k:
 
@@ -68,6 +70,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sao_jax.rollout.failures import EnvFailure, log_first_failure
 from sao_jax.rollout.sampler import Sampler, stop_token_ids
 from sao_jax.rollout.trajectory import Trajectory
 
@@ -107,14 +110,6 @@ class AgentLoopConfig:
             raise ValueError(f"AgentLoopConfig.max_turns must be >= 1 or None (got {self.max_turns})")
         if not self.env_timeout_s > 0:
             raise ValueError(f"AgentLoopConfig.env_timeout_s must be > 0 (got {self.env_timeout_s})")
-
-
-class EnvFailure(Exception):
-    """An environment call that failed; ends its trajectory with `kind` and `message` in info."""
-
-    def __init__(self, kind: str, message: str):
-        super().__init__(message)
-        self.kind = kind
 
 
 class _Phase(enum.Enum):
@@ -221,8 +216,10 @@ class _EnvCalls:
                     call_id, (ok, value) = self._results.get_nowait()
                     if call_id in self._pending:  # else: answered after its deadline, already failed
                         slot, _, what = self._pending.pop(call_id)
-                        done.append((slot, value if ok else EnvFailure(
-                            "exception", f"{what} raised {type(value).__name__}: {value}")))
+                        if not ok:
+                            failure = EnvFailure("exception", f"{what} raised {type(value).__name__}: {value}")
+                            failure.__cause__, value = value, failure  # its traceback, for --debug
+                        done.append((slot, value))
             except queue.Empty:
                 pass
             now = time.monotonic()
@@ -431,6 +428,7 @@ class AgentLoop:
         )  # fmt: skip
         self.stats["trajectories"] += 1
         if failure is not None:
+            log_first_failure(failure, f"prompt {episode.prompt.id}")
             self.stats["prompt_too_long" if failure.kind == "prompt_too_long" else f"env_{failure.kind}"] += 1
         if truncated is not None:
             self.stats[f"truncated_{truncated}"] += 1

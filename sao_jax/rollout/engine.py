@@ -28,8 +28,9 @@ weights  the engine's `WeightStore`. The rollout calls `weights.latest() -> (par
 key      a JAX PRNG key, `rollout_key(base_key, prompt_index, member)`; the rollout's only randomness.
 returns  a `Trajectory`. The engine replaces its `prompt_id` with the prompt's index (below), so ids
          are unique within a run and shared by the members of a group. Raising, or returning anything
-         but a `Trajectory`, is a failed rollout: counted, recorded in `failures`, logged — it costs
-         that trajectory only, never the engine.
+         but a `Trajectory`, is a failed rollout: counted by its message (`error_counts`), recorded in
+         `failures` — it costs that trajectory only, never the engine. Nothing is printed per failure
+         (the first one's traceback is logged at DEBUG level, `sao_jax.rollout.failures`).
 `RolloutEngine` calls it from several threads at once, so it must be thread-safe (JAX dispatch is).
 
 Prompt indices and keys
@@ -69,6 +70,12 @@ them, and
 To resume, checkpoint the prompt source's own state together with `state().next_prompt_index`, and pass
 that as `start_index` to the new engine. Unconsumed and in-flight prompts of the old run are not
 replayed; their indices are reported (by `close()` too) so the loss is visible.
+
+A dead rollout function
+-----------------------
+`max_consecutive_failures = n`: once n rollouts in a row have failed (no trajectory finished in
+between, in completion order), a `get_batch` that cannot fill its batch raises `RolloutsFailing` with
+the counts instead of waiting for trajectories that will never come.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ from typing import Any
 
 import jax
 
+from sao_jax.rollout.failures import EnvFailure, log_first_failure
 from sao_jax.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -136,6 +144,15 @@ class WeightStore:
 def rollout_key(base_key: jax.Array, prompt_index: int, member: int = 0) -> jax.Array:
     """The key of member `member` of prompt `prompt_index`: fold_in(fold_in(base_key, prompt_index), member)."""
     return jax.random.fold_in(jax.random.fold_in(base_key, prompt_index), member)
+
+
+class RolloutsFailing(RuntimeError):
+    """`max_consecutive_failures` rollouts in a row failed: `consecutive` of them, and every failure of
+    the engine counted by message (`errors`)."""
+
+    def __init__(self, consecutive: int, errors: collections.Counter):
+        super().__init__(f"{consecutive} rollouts in a row failed")
+        self.consecutive, self.errors = consecutive, errors
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,11 +217,10 @@ def _run_rollout(rollout_fn: RolloutFn, group: _Group, member: int, weights: Wei
         if not isinstance(trajectory, Trajectory):
             raise TypeError(f"rollout_fn returned {type(trajectory).__name__}, not a Trajectory")
         return dataclasses.replace(trajectory, prompt_id=group.index)
-    except Exception as error:
-        logger.warning(
-            "rollout of prompt %d (member %d) failed; trajectory discarded", group.index, member, exc_info=True
-        )
-        return RolloutFailure(group.index, member, f"{type(error).__name__}: {error}")
+    except Exception as error:  # counted, never printed per rollout (module docstring)
+        log_first_failure(error, f"prompt index {group.index}, member {member}")
+        message = str(error) if isinstance(error, EnvFailure) else f"{type(error).__name__}: {error}"
+        return RolloutFailure(group.index, member, message)
 
 
 _EXHAUSTED = object()
@@ -238,12 +254,17 @@ class _Ledger:
         self.prompts_failed = 0
         self.staleness_histogram: collections.Counter[int] = collections.Counter()
         self.failures: collections.deque[RolloutFailure] = collections.deque(maxlen=MAX_RECORDED_FAILURES)
+        self.errors: collections.Counter[str] = collections.Counter()  # every failure, by message
+        self.consecutive_failures = 0  # since the last rollout that finished, in completion order
 
     def record_rollout(self, result: Trajectory | RolloutFailure) -> None:
         if isinstance(result, RolloutFailure):
             self.trajectories_failed += 1
             self.failures.append(result)
+            self.errors[result.error] += 1
+            self.consecutive_failures += 1
         else:
+            self.consecutive_failures = 0
             self.trajectories_produced += 1
             self.action_tokens_produced += int(result.action_mask.sum())
 
@@ -300,6 +321,7 @@ class RolloutEngine:
         group_size: int = 1,
         max_staleness: int | None = None,
         start_index: int = 0,
+        max_consecutive_failures: int | None = None,
     ):
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1 (got {group_size})")
@@ -307,6 +329,9 @@ class RolloutEngine:
             raise ValueError(f"max_staleness must be >= 0 or None (got {max_staleness})")
         if start_index < 0:
             raise ValueError(f"start_index must be >= 0 (got {start_index})")
+        if max_consecutive_failures is not None and max_consecutive_failures < 1:
+            raise ValueError(f"max_consecutive_failures must be >= 1 or None (got {max_consecutive_failures})")
+        self.max_consecutive_failures = max_consecutive_failures
         self._rollout_fn = rollout_fn
         self._prompts = iter(prompts)
         self._weights = weights
@@ -360,6 +385,11 @@ class RolloutEngine:
         with self._cond:
             return tuple(self._ledger.failures)
 
+    def error_counts(self) -> collections.Counter:
+        """Every failed rollout so far, counted by its error message."""
+        with self._cond:
+            return collections.Counter(self._ledger.errors)
+
     def __enter__(self):
         return self
 
@@ -411,6 +441,8 @@ class RolloutEngine:
     def _finish(self, group: _Group, member: int, result: Trajectory | RolloutFailure) -> None:
         with self._cond:
             self._ledger.record_rollout(result)
+            if isinstance(result, RolloutFailure):
+                self._cond.notify_all()  # a consumer may be waiting to see the failures pile up
             if not group.add(member, result):
                 return
             if group.failed:
@@ -448,7 +480,9 @@ class RolloutEngine:
         have all stopped (source exhausted; then an empty list means the end) or the engine is closing.
         Stale trajectories are dropped here (module docstring, Staleness). If a worker hit an error
         outside the rollout function (e.g. the prompt source raised), the other workers finish their
-        rollouts, the queue is drained, and then get_batch raises RuntimeError.
+        rollouts, the queue is drained, and then get_batch raises RuntimeError. Once
+        `max_consecutive_failures` rollouts in a row have failed, a batch it cannot fill from the queue
+        raises `RolloutsFailing` (module docstring).
         """
         self._check_batch_size(batch_size)
         began_s = time.monotonic()
@@ -467,6 +501,9 @@ class RolloutEngine:
                         continue
                     if self._stopping:
                         break
+                    failing = self._ledger.consecutive_failures
+                    if self.max_consecutive_failures is not None and failing >= self.max_consecutive_failures:
+                        raise RolloutsFailing(failing, collections.Counter(self._ledger.errors))
                     if self._workers_running == 0:  # source exhausted, or a worker error stopped them all
                         if self._fatal is not None and not batch:
                             message = "the rollout engine stopped after an error in a worker thread"

@@ -16,7 +16,8 @@ import numpy as np
 from sao_jax import models
 from sao_jax.checkpoint import ResumeError
 from sao_jax.rollout.agent_loop import AgentLoop, RolloutService
-from sao_jax.rollout.engine import RolloutEngine, WeightStore
+from sao_jax.rollout.engine import RolloutEngine, RolloutsFailing, WeightStore
+from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
 from sao_jax.rollout.scaffold import ScaffoldLoop
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train.build import RL_STREAM, Run, usable
@@ -24,15 +25,19 @@ from sao_jax.train.distributed import ProcessRollouts
 
 log = logging.getLogger(__name__)
 
+MAX_ERROR_MESSAGES = 20  # the distinct error messages a process reports to the others each step
+
 
 class LockstepBatches:
     """Sync mode: RL step s draws `batch_size / G` prompts with rng (seed, s) from the pool and rolls
     each out G = `advantage.group_size` times (members adjacent, each with its own key), in lockstep
     (no thread timing in the result), with the current weights. A group with an environment failure
-    is dropped whole (a group baseline needs every member), as the async engine does."""
+    is dropped whole (a group baseline needs every member), as the async engine does. `errors`: every
+    failed rollout so far, by message; `step_errors`: those of the last step."""
 
     def __init__(self, run: Run, rollout_loop: AgentLoop):
         self.run, self.rollout_loop = run, rollout_loop
+        self.errors, self.step_errors = FailureTally(), FailureTally()
 
     def next(self, step: int, weights) -> tuple[list[Trajectory], dict[str, float]]:
         config = self.run.config
@@ -44,6 +49,8 @@ class LockstepBatches:
         trajectories = self.rollout_loop.rollout((weights, step - 1), prompts, key)
         groups = [trajectories[i:i + group] for i in range(0, len(trajectories), group)]
         failed = [group - len(usable(members)[0]) for members in groups]
+        self.step_errors = FailureTally(t.info["error"] for t in trajectories if t.info.get("error") is not None)
+        self.errors.update(self.step_errors.counts.elements())
         kept = [t for members, f in zip(groups, failed) if not f for t in members]
         discarded = sum(group - f for f in failed if f)  # the survivors of groups that lost a member
         return kept, {"train/env_failed": sum(failed), "train/group_members_discarded": discarded}
@@ -74,6 +81,12 @@ class StreamingBatches:
     resumed run draws the prompts the interrupted one had not trained on yet, from where it was, with
     the same keys (a prompt index's key depends on the seed and the index only). Prompts in flight
     when the checkpoint was saved are not replayed.
+
+    A dead environment: once `train.max_steps_without_data` steps' worth of rollouts in a row have
+    failed on a process (`RolloutEngine.max_consecutive_failures`), `next` raises
+    `DeadEnvironmentError` on every process (the processes agree through the same exchange as the
+    batches), instead of waiting for a batch that never fills. `errors`: every process's failed
+    rollouts so far, by message.
     """
 
     def __init__(self, run: Run, rollout_loop: AgentLoop | ScaffoldLoop | ProcessRollouts, weights, start_step: int,
@@ -97,11 +110,14 @@ class StreamingBatches:
         # A scaffold loop is itself a thread-safe rollout function; the agent loop is shared through a service.
         self.service = local_loop if isinstance(local_loop, ScaffoldLoop) else RolloutService(local_loop)
         start = self.positions[self.process]
+        self.per_step = config.train.batch_size // self.processes  # this process's trajectories a step
         self.engine = RolloutEngine(
             self.service, (run.train_prompts[self.pool_index(i)] for i in itertools.count(start)), self.store, key,
             num_workers=config.rollout.num_slots, queue_capacity=config.train.queue_capacity,
             max_staleness=config.train.max_staleness, group_size=config.advantage.group_size, start_index=start,
+            max_consecutive_failures=config.train.max_steps_without_data * self.per_step,
         )  # fmt: skip
+        self.errors, self.step_errors = FailureTally(), FailureTally()  # step_errors: nothing, `next` raises
 
     def _local(self, weights):
         """The trainer's weights for this process's sampler: a copy (the next step donates the state's
@@ -119,14 +135,29 @@ class StreamingBatches:
     def next(self, step: int, weights) -> tuple[list[Trajectory], dict[str, float]]:
         if step - 1 > self.store.version:
             self.store.publish(self._local(weights), step - 1)  # the trainer's weights after step − 1
-        batch = self.engine.get_batch(self.run.config.train.batch_size // self.processes)
+        try:
+            batch, failing = self.engine.get_batch(self.per_step), None
+        except RolloutsFailing as stalled:  # told to every process below, so that all of them stop
+            batch, failing = [], stalled.consecutive
         position = self.engine.state().next_prompt_index  # above every prompt index in the batch
         for trajectory in batch:  # the engine numbers prompts; baselines key on the pool index
             trajectory.prompt_id = self.pool_index(trajectory.prompt_id)
-        blocks = self.cluster.all_gather([(batch, self.engine.metrics(), position)])
-        self.positions = [position for _, _, position in blocks]
-        batch = [trajectory for block, _, _ in blocks for trajectory in block]
-        return batch, async_metrics([engine_metrics for _, engine_metrics, _ in blocks])
+        errors = dict(self.engine.error_counts().most_common(MAX_ERROR_MESSAGES))
+        blocks = self.cluster.all_gather([(batch, self.engine.metrics(), position, failing, errors)])
+        self.positions = [block[2] for block in blocks]
+        self.errors = FailureTally()
+        for block in blocks:
+            self.errors.counts.update(block[4])
+        failing = [block[3] for block in blocks if block[3] is not None]
+        if failing:
+            bound = self.run.config.train.max_steps_without_data
+            raise DeadEnvironmentError(
+                f"RL step {step} got no usable batch: {max(failing)} rollouts in a row failed, "
+                f"train.max_steps_without_data={bound} steps' worth ({self.per_step} a step"
+                f"{' and process' if self.processes > 1 else ''}); the environment failed {self.errors.total} "
+                f"rollouts in all, {self.errors.describe()}")  # fmt: skip
+        batch = [trajectory for block in blocks for trajectory in block[0]]
+        return batch, async_metrics([block[1] for block in blocks])
 
     def host_state(self) -> dict[str, Any]:
         """Each process's next prompt index after the last batch (the checkpoint's part of the stream)."""

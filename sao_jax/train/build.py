@@ -7,7 +7,10 @@ Randomness: each consumer draws from its own stream, a seed folded with one of t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+import json
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,7 +20,7 @@ from flax import nnx
 from sao_jax import models
 from sao_jax.config import Config, ConfigError, OptimizerConfig
 from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
-from sao_jax.data.datasets import DatasetError, read_prompts
+from sao_jax.data.datasets import DatasetError, read_prompt_records
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import Prompt, environment_class
 from sao_jax.envs.style_shift import StyleSchedule
@@ -93,14 +96,24 @@ class Run:
 def build_run(config: Config) -> Run:
     """The run's pieces. A pretrained model (`model.pretrained`, a Hugging Face folder) brings its
     tokenizer and chat template, and the environment is spoken in that template (`ChatEnv`); a preset
-    uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set."""
+    uses the character tokenizer. Prompts come from `env.train_file` / `env.eval_file` when set, each
+    checked against the tokenizer and the rollout's length (`check_prompt`) before any model loads."""
     cluster = Cluster.for_config(config)
     env_cls = environment_class(config.env.name)
     scaffold = scaffold_settings(config)  # a scaffold.entry that does not import: named before anything loads
     env = config.env
-    train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, RL_STREAM, key="env.train_file")
-    eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, EVAL_STREAM, key="env.eval_file")
     model = config.model
+    if model.pretrained:
+        models.read_hf_config(model.pretrained)  # a missing folder or broken config.json: named before anything loads
+        tokenizer = HFTokenizer.from_folder(model.pretrained)
+        chat_format = ChatFormat.from_tokenizer(tokenizer)
+    else:
+        tokenizer, chat_format = CharTokenizer(), None
+    check = functools.partial(check_prompt, config, env_cls, tokenizer, chat_format)
+    train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, RL_STREAM, key="env.train_file",
+                                check=check)  # fmt: skip
+    eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, EVAL_STREAM, key="env.eval_file",
+                               check=check)  # fmt: skip
     overrides = {name: value for name, value in
                  (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype),
                   ("attention", model.attention))
@@ -115,15 +128,11 @@ def build_run(config: Config) -> Run:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if model.pretrained:
-        models.read_hf_config(model.pretrained)  # a missing folder or broken config.json: named before anything loads
-        tokenizer = HFTokenizer.from_folder(model.pretrained)
-        chat_format = ChatFormat.from_tokenizer(tokenizer)
         policy = models.from_pretrained(model.pretrained, mesh=cluster.mesh, **overrides)
         if tokenizer.vocab_size > policy.config.vocab_size:
             raise ValueError(f"model.pretrained={model.pretrained}: the tokenizer has {tokenizer.vocab_size} tokens, "
                              f"more than the model's vocab_size {policy.config.vocab_size}")
     else:
-        tokenizer, chat_format = CharTokenizer(), None
         preset = models.PRESETS[model.preset]
 
         def make_policy():
@@ -156,19 +165,80 @@ def scaffold_settings(config: Config) -> ScaffoldSettings | None:
                             episodes_at_once=scaffold.episodes_at_once)  # fmt: skip
 
 
-def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int, *, key: str) -> list[Prompt]:
-    """The prompts of `file` (`read_prompts`; its errors name the config `key`), or `size` that the
+def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int, *, key: str,
+                check: Callable[[Prompt, str | None], str | None] | None = None) -> list[Prompt]:  # fmt: skip
+    """The prompts of `file` (`read_prompt_records`; its errors name the config `key`), or `size` that the
     environment generates with the rng (seed, stream). Each prompt's id becomes its index in the pool:
-    per-prompt baselines key on it."""
+    per-prompt baselines key on it. `check(prompt, line)`: a file prompt's problem, or None."""
     if file is not None:
         try:
-            prompts = read_prompts(file)
+            records = read_prompt_records(file)
+            for where, prompt, line in records if check is not None else ():
+                problem = check(prompt, line)
+                if problem is not None:
+                    raise DatasetError(f"{where}: {problem}")
         except DatasetError as e:
             raise DatasetError(f"{e} ({key})") from None
+        prompts = [prompt for _, prompt, _ in records]
     else:
         difficulty = list(config.env.difficulty) or None
         prompts = env_cls.generate_prompts(np.random.default_rng([config.seed, stream]), size, difficulty)
     return [dataclasses.replace(p, id=i) for i, p in enumerate(prompts)]
+
+
+def check_prompt(config: Config, env_cls, tokenizer, chat_format: ChatFormat | None, prompt: Prompt,
+                 line: str | None = None) -> str | None:  # fmt: skip
+    """What stops `prompt` from being rolled out, or None: the environment cannot start on it, its text
+    holds a character outside the tokenizer's vocabulary (its column in the file's `line`, when known),
+    or the first observation leaves no room for an action within `rollout.max_total_tokens`."""
+    env = env_cls(**env_options(config))
+    env = env if chat_format is None else ChatEnv(env, chat_format)
+    try:
+        text = env.reset(prompt)
+    except Exception as e:  # noqa: BLE001 — whatever the environment raises, named in one line
+        return f"the environment {config.env.name!r} cannot start on this prompt ({type(e).__name__}: {e})"
+    unknown = _outside_vocabulary(tokenizer, text)
+    if unknown is not None:
+        column = _column(line, unknown)
+        return (f"character {unknown!r}{'' if column is None else f' at column {column}'} is not in the tokenizer's "
+                "vocabulary")  # fmt: skip
+    length = len(tokenizer.encode(text)) + (chat_format is None and tokenizer.bos_id is not None)
+    budget = config.rollout.max_total_tokens
+    if length >= budget:
+        return (f"the prompt takes {length} tokens, leaving no room for an action within "
+                f"rollout.max_total_tokens={budget}: shorten it or raise rollout.max_total_tokens")  # fmt: skip
+    return None
+
+
+def _outside_vocabulary(tokenizer, text: str) -> str | None:
+    """The first character of `text` the tokenizer cannot encode (or maps to its unknown token), or None."""
+    unk_id = getattr(tokenizer, "unk_id", None)
+    try:
+        ids = tokenizer.encode(text)
+        if unk_id is None or unk_id not in ids:
+            return None
+    except ValueError:
+        pass
+    for char in text:
+        try:
+            if unk_id is None or unk_id not in tokenizer.encode(char):
+                tokenizer.encode(char)
+                continue
+        except ValueError:
+            pass
+        return char
+    return None
+
+
+def _column(line: str | None, char: str) -> int | None:
+    """1-based column of `char` in a JSON `line`, written as it stands or escaped (\\uXXXX)."""
+    if line is None:
+        return None
+    for written in (char, json.dumps(char)[1:-1], json.dumps(char, ensure_ascii=False)[1:-1]):
+        found = line.find(written) if written else -1
+        if found >= 0:
+            return found + 1
+    return None
 
 
 def env_options(config: Config) -> dict[str, Any]:

@@ -110,10 +110,12 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     return {"step": restored.step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), weights)}
 
 
-def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: int) -> dict[str, Any]:
+def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: int | None = None) -> dict[str, Any]:
     """summary.json from the run's metric lines: the warm start (SFT steps taken, the last probed
-    demonstration probability, whether it reached its target), held-out success at the first and last
-    evaluation, the gain, and whether the run learned: the gain exceeds twice its standard error,
+    demonstration probability, whether it reached its target), the RL steps trained (`steps`; None:
+    counted in the lines, a step without usable data not counted), held-out success at the start (step 0)
+    and at the last evaluation after it (None when none ran: never the start's again), the gain, and
+    whether the run learned: the gain exceeds twice its standard error,
 
         learned ⇔ end − start > 2 · sqrt((p₀(1 − p₀) + p₁(1 − p₁)) / n),   n = held-out prompts,
 
@@ -125,12 +127,14 @@ def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: in
         "demonstration_probability": probes[-1] if probes else None,
         "reached_target": bool(sft[-1].get("sft/stopped_at_target", 0)) if sft else None,
     }
-    evals = [line["eval/success_rate"] for line in lines if "eval/success_rate" in line]
-    summary: dict[str, Any] = {"warm_start": warm_start, "steps": steps,
-                               "eval_success_start": evals[0] if evals else None,
-                               "eval_success_end": evals[-1] if evals else None}  # fmt: skip
-    if len(evals) >= 2:
-        start, end = evals[0], evals[-1]
+    if steps is None:
+        steps = len({line["step"] for line in lines if line.get("step", 0) > 0 and not line.get("train/skipped_no_data")})
+    evals = [(line["step"], line["eval/success_rate"]) for line in lines if "eval/success_rate" in line]
+    start = evals[0][1] if evals and evals[0][0] == 0 else None
+    end = evals[-1][1] if evals and evals[-1][0] > 0 else None
+    summary: dict[str, Any] = {"warm_start": warm_start, "steps": steps, "eval_success_start": start,
+                               "eval_success_end": end}  # fmt: skip
+    if start is not None and end is not None:
         standard_error = float(np.sqrt((start * (1 - start) + end * (1 - end)) / num_eval_prompts))
         summary |= {"gain": end - start, "gain_standard_error": standard_error,
                     "learned": bool(end - start > 2 * standard_error)}  # fmt: skip

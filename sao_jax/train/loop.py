@@ -10,6 +10,7 @@ writes the same metrics as the uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -26,7 +27,8 @@ from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, to_dict
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
-from sao_jax.outputs import OutputMirror, check_writable, free_name, is_url
+from sao_jax.outputs import FolderLock, OutputMirror, check_writable, free_name, is_url
+from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.advantage_probe import AdvantageProbe
@@ -46,10 +48,43 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
     `resume`: continue from the newest readable checkpoint, or start from the beginning when there is
     none (keeping a previous attempt's metrics.jsonl and tensorboard/ aside as `*.previous*`). Without
     it, a folder that already holds a run is a `ResumeError`, as is a checkpoint saved under another
-    config (`checkpoint.config_changes`) unless `allow_config_change`."""
+    config (`checkpoint.config_changes`) unless `allow_config_change`, or one past `train.steps`.
+
+    One run per folder: the run holds an exclusive lock on output_dir (and train.checkpoint_dir) while
+    it works (`outputs.FolderLock`); a second one on the same folder is a `FolderBusyError`.
+
+    An environment that gives nothing usable (`train.max_steps_without_data`,
+    `critic.pretrain_min_usable_fraction`) raises `DeadEnvironmentError` once the saves in flight have
+    finished and the plots are drawn; no summary.json is written then (the run did not finish)."""
     check_writable(config.output_dir, "output_dir")
     if config.train.checkpoint_dir is not None:
         check_writable(config.train.checkpoint_dir, "train.checkpoint_dir")
+    with run_folder_locks(config):
+        return _train(config, resume=resume, allow_config_change=allow_config_change)
+
+
+def run_folder_locks(config: Config) -> contextlib.ExitStack:
+    """The locks of a run's folders (`outputs.FolderLock`), held until the stack closes: output_dir (a
+    URL's local mirror on this machine) and a local train.checkpoint_dir. The processes of one run
+    share them: process 0 locks them, process p > 0 its own folder of output_dir (`process_<p>`)."""
+    process = jax.process_index()
+    stack = contextlib.ExitStack()
+    with stack:
+        if is_url(config.output_dir):
+            mirror = OutputMirror.local_path(config.output_dir, process)
+            stack.enter_context(FolderLock(mirror.parent, f"{mirror.name}.lock", key="output_dir",
+                                           shown=config.output_dir))  # fmt: skip
+        elif process == 0:
+            stack.enter_context(FolderLock(config.output_dir, key="output_dir"))
+        else:
+            stack.enter_context(FolderLock(Path(config.output_dir) / f"process_{process}", key="output_dir"))
+        if process == 0 and config.train.checkpoint_dir is not None and not is_url(config.train.checkpoint_dir):
+            stack.enter_context(FolderLock(config.train.checkpoint_dir, key="train.checkpoint_dir"))
+        return stack.pop_all()
+
+
+def _train(config: Config, *, resume: bool, allow_config_change: bool) -> dict[str, Any]:
+    """`train`, with the run's folders locked."""
     # A URL output_dir is written through a local mirror, pushed after each checkpoint (sao_jax.outputs).
     mirror = OutputMirror.fresh(config.output_dir, jax.process_index()) if is_url(config.output_dir) else None
     out = Path(config.output_dir) if mirror is None else mirror.local
@@ -80,6 +115,10 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
 
     restored = (checkpointer.restore_latest(abstract_state(state), allow_config_change=allow_config_change)
                 if resume else None)  # fmt: skip
+    if restored is not None and restored.step > config.train.steps:
+        raise ResumeError(f"the run in {checkpointer.directory} has reached step {restored.step}, past "
+                          f"train.steps={config.train.steps}: raise train.steps to train it further, or evaluate it "
+                          "with sao-eval")  # fmt: skip
     if restored is not None:
         checkpointer.set_aside(restored.unreadable)
         start_step, state, host = restored.step, restored.state, restored.host
@@ -110,13 +149,22 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
             writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
             writer.flush()
             checkpointer.save(0, state, {"step": 0})
-        summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step, host)
+        try:
+            summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step,
+                              host)  # fmt: skip
+        except DeadEnvironmentError as error:  # keep what was trained: the saves finish, metrics and plots are written
+            summary, stopped = None, error
+        else:
+            stopped = None
     checkpointer.close()
     if cluster.is_primary:
         plot_run(out)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        if summary is not None:
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if mirror is not None:
         mirror.push()
+    if stopped is not None:
+        raise stopped
     return summary
 
 
@@ -157,6 +205,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
         prompt = run.train_prompts[trajectory.prompt_id]
         return run.tokenizer.encode(run.demonstration(prompt)[-1])
 
+    streak, without_data = 0, FailureTally()  # steps in a row with no usable trajectory, their failed rollouts
     try:
         bar = tqdm(range(start_step + 1, train_cfg.steps + 1), desc="rl", initial=start_step, total=train_cfg.steps)
         for step in bar:
@@ -166,7 +215,15 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             kept, source_metrics = source.next(step, policy_weights(state, graphs))
             if not kept:
                 writer.write(step, {**source_metrics, "train/skipped_no_data": 1})
+                streak += 1
+                without_data.update(source.step_errors.counts.elements())
+                if streak >= train_cfg.max_steps_without_data:
+                    raise DeadEnvironmentError(
+                        f"no usable trajectory in {streak} RL steps in a row (steps {step - streak + 1}-{step}; "
+                        f"train.max_steps_without_data={train_cfg.max_steps_without_data}): the environment failed "
+                        f"{without_data.total} rollouts, {without_data.describe()}")  # fmt: skip
                 continue
+            streak, without_data = 0, FailureTally()
             batch = collate(kept, batch_size=train_cfg.batch_size, buckets=run.buckets)
             steps_lib.check_whole_groups(batch.prompt_id, config.advantage.group_size)
             if reads_reference:
@@ -193,5 +250,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
                 checkpointer.save(step, state, {"step": step, **source.host_state()})
     finally:
         source.close()
+    if source.errors.total and run.cluster.is_primary:  # counted as they came, summed up once
+        log.warning("the environment failed %d rollouts in RL, %s (train/env_failed in metrics.jsonl counts them "
+                    "by step; --debug shows the first one's traceback)", source.errors.total, source.errors.describe())
     checkpointer.wait()
-    return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts), steps=train_cfg.steps)
+    return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ from tqdm.auto import tqdm
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS
 from sao_jax.config import Config, to_dict
 from sao_jax.metrics import MetricsWriter
+from sao_jax.outputs import free_name
 from sao_jax.optim import adamw, train_only
 from sao_jax.rollout.agent_loop import AgentLoop
+from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
 from sao_jax.rollout.trajectory import collate
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.build import (
@@ -52,21 +55,28 @@ def sft_cache_key(config: Config) -> str:
 def run_sft(run: Run, writer: MetricsWriter) -> Any:
     """Fit the policy to demonstrations; returns the policy's trained params. With `sft.cache_dir`, a
     warm start already trained under the same settings is loaded instead (its metric lines replayed),
-    and a new one is stored there."""
+    and a new one is stored there. An entry that does not load (truncated, corrupt, other shapes) is
+    named in one warning, moved aside to `<entry>.unreadable.npz` and trained again."""
     sft_cfg = run.config.sft
     graph, params, buffers = steps_lib.split_model(run.policy)
     if sft_cfg.steps == 0:
         return params
     cached = Path(sft_cfg.cache_dir) / f"sft_{sft_cache_key(run.config)}.npz" if sft_cfg.cache_dir else None
     if cached is not None and cached.exists():
-        with np.load(cached, allow_pickle=False) as stored:
-            leaves, treedef = jax.tree.flatten(params)
-            params = jax.tree.unflatten(treedef, [jnp.asarray(stored[f"leaf_{i}"], leaf.dtype)
-                                                  for i, leaf in enumerate(leaves)])  # fmt: skip
-            for line in json.loads(str(stored["metrics"])):
+        try:
+            loaded, lines = _load_sft_cache(cached, params)
+        except Exception as error:  # noqa: BLE001 — any unreadable entry is redone, named in one line
+            aside = free_name(cached, "unreadable")
+            if run.cluster.is_primary:  # the cache may be shared by the processes: one moves it
+                os.replace(cached, aside)
+            log.warning("the SFT cache entry %s is unreadable (%s: %s); moved it aside to %s and training the warm "
+                        "start again", cached, type(error).__name__, str(error).splitlines()[0][:200] if str(error)
+                        else "", aside)  # fmt: skip
+        else:
+            for line in lines:
                 writer.write(0, line)
-        log.info("warm start loaded from %s", cached)
-        return run.cluster.place(params)
+            log.info("warm start loaded from %s", cached)
+            return run.cluster.place(loaded)
     lines: list[dict[str, Any]] = []
     params = _train_sft(run, graph, params, buffers, writer, lines)
     if cached is not None:
@@ -76,6 +86,19 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
         np.savez(partial, metrics=json.dumps(lines), **leaves)
         os.replace(partial, cached)
     return params
+
+
+def _load_sft_cache(path: Path, params) -> tuple[Any, list[dict[str, Any]]]:
+    """(params, metric lines) of a cache entry, every leaf of the shape and dtype of `params`'s; raises
+    whatever a truncated or foreign file raises, before anything is written."""
+    with np.load(path, allow_pickle=False) as stored:
+        leaves, treedef = jax.tree.flatten(params)
+        arrays = [stored[f"leaf_{i}"] for i in range(len(leaves))]
+        for i, (array, leaf) in enumerate(zip(arrays, leaves)):
+            if array.shape != leaf.shape:
+                raise ValueError(f"leaf_{i} has shape {array.shape}, the policy's {leaf.shape}")
+        lines = json.loads(str(stored["metrics"]))
+    return jax.tree.unflatten(treedef, [jnp.asarray(a, leaf.dtype) for a, leaf in zip(arrays, leaves)]), lines
 
 
 def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list) -> Any:
@@ -159,7 +182,9 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
-    corpus, failed = usable(rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1)))
+    rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1))
+    corpus, failed = usable(rollouts)
+    check_pretraining_corpus(config, rollouts, len(corpus))
     tx, value_update = value_pretraining_update(graphs, config)
     value_update = run.cluster.step(value_update)
     pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
@@ -175,6 +200,22 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
         writer.write(0, {"stage": "value_pretrain", "value_pretrain/epoch": epoch, "value_pretrain/corpus": len(corpus),
                          "value_pretrain/failed_rollouts": failed, **mean})  # fmt: skip
     return run.cluster.place(pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params)))
+
+
+def check_pretraining_corpus(config: Config, rollouts, num_usable: int) -> None:
+    """Raise `DeadEnvironmentError` when fewer rollouts are usable than value pretraining's floor:
+    `critic.pretrain_min_usable_fraction` of `critic.pretrain_rollouts`, and one batch at least."""
+    critic_cfg = config.critic
+    floor = max(math.ceil(critic_cfg.pretrain_min_usable_fraction * critic_cfg.pretrain_rollouts),
+                config.train.batch_size)  # fmt: skip
+    if num_usable >= floor:
+        return
+    errors = FailureTally(t.info["error"] for t in rollouts if t.info.get("error") is not None)
+    raise DeadEnvironmentError(
+        f"value pretraining got {num_usable} usable rollouts of {len(rollouts)}, fewer than its floor of {floor} "
+        f"(critic.pretrain_min_usable_fraction={critic_cfg.pretrain_min_usable_fraction} of "
+        f"critic.pretrain_rollouts={critic_cfg.pretrain_rollouts}, and one train.batch_size at least): the "
+        f"environment failed {errors.total}, {errors.describe()}")  # fmt: skip
 
 
 def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):

@@ -1,5 +1,6 @@
 """Prompt files (JSONL, Parquet) and the Grain prompt loader."""
 
+import gzip
 import json
 
 import pyarrow as pa
@@ -149,3 +150,38 @@ def test_the_largest_seed_is_accepted_and_one_more_is_refused():
     assert len(list(prompt_loader(PROMPTS, seed=2**32 - 1, num_epochs=1))) == len(PROMPTS)
     with pytest.raises(ValueError, match="seed must be in"):
         prompt_loader(PROMPTS, seed=2**32)
+
+
+# --- what a user's file may hold ---------------------------------------------------------------------------
+
+
+def test_an_unterminated_line_names_the_column_where_it_ends_not_the_next_line(tmp_path):
+    """The line's own newline is not part of its JSON: an object cut short at column 27 is named there
+    (json counts the newline as a second line and said column 1)."""
+    path = tmp_path / "cut.jsonl"
+    path.write_text('{"prompt": "Q", "answer": 1}\n{"prompt": "Q", "answer": \n')
+    with pytest.raises(DatasetError, match=r"^.*cut\.jsonl, line 2: not valid JSON \(Expecting value at column 27\)$"):
+        read_prompts(path)
+    path.write_text('{"prompt": "Q", "answer": 1}\r\n{"prompt": "Q" "answer": 1}\r\n')  # Windows line ends
+    with pytest.raises(DatasetError, match=r"line 2: not valid JSON \(Expecting ',' delimiter at column 16\)$"):
+        read_prompts(path)
+
+
+def test_a_byte_that_is_not_utf8_names_file_line_and_column(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes(b'{"prompt": "Q", "answer": 1}\n{"prompt": "\xe9t\xe9 Q", "answer": 1}\n')
+    with pytest.raises(DatasetError, match=r"latin1\.jsonl, line 2: not UTF-8 text \(byte 0xe9 at column 13\)"):
+        read_prompts(path)
+    path.write_bytes('{"prompt": "été → Q", "answer": 1}\n{"prompt": "ok", "x": "é'.encode() + b'\xff"}\n')
+    with pytest.raises(DatasetError, match=r"line 2: not UTF-8 text \(byte 0xff at column 25\)"):
+        read_prompts(path)  # columns count characters, not bytes
+
+
+@pytest.mark.parametrize("name", ["p.jsonl.gz", "p.jsonl"])
+def test_gzipped_json_lines_are_read_as_they_stand(tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(b"".join(json.dumps(r).encode() + b"\n" for r in RECORDS)))
+    assert read_prompts(path) == read_prompts(write_jsonl(tmp_path / "plain.jsonl", RECORDS))
+    path.write_bytes(gzip.compress(b'{"prompt": "Q", "answer": 1}\n' * 50)[:-20])  # cut short
+    with pytest.raises(DatasetError, match=rf"{name}: not a readable gzip file"):
+        read_prompts(path)

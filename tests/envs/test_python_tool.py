@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import subprocess
 import textwrap
 import time
@@ -463,3 +464,77 @@ def test_rlimits_level_timeout_kills_the_group_even_when_the_program_has_a_live_
     """), timeout_s=1.0, isolation=RLIMITS)
     assert result.timed_out, result
     assert_gone_soon(int(result.stdout), "sleep, a grandchild of the timed-out program,")
+
+
+# A caller of run_python whose sandboxed program would sleep for minutes.
+SLEEPING_CALLER = """
+import sys
+from sao_jax.envs.python_tool import run_python, sandbox_platform
+sandbox_platform()  # the probe's sandbox is done with
+print("probed", flush=True)
+run_python("import time\\ntime.sleep(300)", timeout_s=290, isolation=sys.argv[1])
+"""
+
+
+def _process_table() -> dict[int, tuple[int, str, str]]:
+    """{pid: (parent pid, state, start time)} of every process now."""
+    table = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            table[int(entry)] = (int(fields[1]), fields[0], fields[19])
+    return table
+
+
+def _descendants(pid: int) -> set[tuple[int, str]]:
+    """(pid, start time) of every live descendant of `pid` (zombies left out)."""
+    table, found, frontier = _process_table(), set(), [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, state, started) in table.items():
+            if ppid == parent and state != "Z":
+                found.add((child, started))
+                frontier.append(child)
+    return found
+
+
+def _alive(processes: set[tuple[int, str]]) -> set[tuple[int, str]]:
+    table = _process_table()
+    return {(pid, started) for pid, started in processes
+            if pid in table and table[pid][2] == started and table[pid][1] != "Z"}  # fmt: skip
+
+
+@pytest.mark.parametrize("isolation", [NAMESPACES, RLIMITS])
+def test_a_caller_killed_with_sigkill_leaves_no_sandboxed_process_behind(isolation, request):
+    """kill -9 of the trainer (or a preempted VM's) in the middle of run_python: every process of the
+    sandbox chain (unshare, the sandboxed interpreter) dies with it, long before the program's own end."""
+    if isolation == NAMESPACES:
+        needs(NAMESPACES, request)
+    caller = subprocess.Popen([sys.executable, "-c", SLEEPING_CALLER, isolation], stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout.readline() == "probed\n"
+        deadline = time.monotonic() + 60
+        while True:  # the sandboxed interpreter is running: `python -I -`
+            chain = _descendants(caller.pid)
+            commands = []
+            for pid, _ in chain:
+                try:
+                    commands.append(open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0"))
+                except OSError:
+                    pass
+            if any(command[-3:-1] == [b"-I", b"-"] for command in commands):
+                break
+            assert caller.poll() is None and time.monotonic() < deadline, "the sandbox did not start"
+            time.sleep(0.05)
+        assert len(chain) == (2 if isolation == NAMESPACES else 1), commands  # unshare + program, or the program
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while _alive(chain) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _alive(chain) == set()

@@ -7,6 +7,7 @@ use events and counts; the only clock is a generous liveness bound in `wait_unti
 
 import collections
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -17,6 +18,7 @@ import pytest
 
 from sao_jax.rollout.engine import (
     RolloutEngine,
+    RolloutsFailing,
     WeightStore,
     rollout_key,
 )
@@ -463,3 +465,31 @@ def test_an_error_in_the_prompt_source_surfaces_in_get_batch_and_close_is_clean(
 def test_bad_engine_arguments_are_named(kwargs, message):
     with pytest.raises(ValueError, match=message):
         RolloutEngine(FakeRollout(), range(1), WeightStore({}, 0), jax.random.key(0), **kwargs)
+
+
+def test_a_rollout_function_that_always_fails_stops_get_batch_with_the_counts_and_prints_nothing(caplog):
+    """Every rollout raises (a dead environment): get_batch raises RolloutsFailing once the bound of
+    failures in a row is reached, instead of waiting forever, and no failure is logged as it happens."""
+    rollout = FakeRollout(num_chunks=1, fail=lambda prompt, key: True)
+    with caplog.at_level("INFO"):
+        with make_engine(rollout, itertools.count(), WeightStore({}, 0), jax.random.key(0),
+                         max_consecutive_failures=8) as engine:  # fmt: skip
+            with pytest.raises(RolloutsFailing) as stalled:
+                engine.get_batch(4)
+            counts = engine.error_counts()
+    assert stalled.value.consecutive >= 8
+    ((message, count),) = stalled.value.errors.items() if len(stalled.value.errors) == 1 else [(None, None)]
+    assert message is None or count >= 8  # the fake names its prompt: one message per prompt otherwise
+    assert sum(counts.values()) >= 8
+    assert all("fake rollout failure on prompt" in error for error in counts)
+    assert [r for r in caplog.records if r.levelno >= logging.INFO and r.name.startswith("sao_jax")] == []
+    assert "Traceback" not in caplog.text
+
+
+def test_a_success_resets_the_count_of_failures_in_a_row():
+    rollout = FakeRollout(num_chunks=1, fail=lambda prompt, key: prompt % 4 != 3)  # 3 failures, then a success
+    with RolloutEngine(rollout, range(40), WeightStore({}, 0), jax.random.key(0), num_workers=1,
+                       max_consecutive_failures=4) as engine:  # one worker: completion order is prompt order
+        assert sorted(t.prompt_id for t in engine.get_batch(10)) == list(range(3, 40, 4))
+    with pytest.raises(ValueError, match="max_consecutive_failures"):
+        make_engine(rollout, range(4), WeightStore({}, 0), jax.random.key(0), max_consecutive_failures=0)

@@ -199,6 +199,32 @@ def test_sao_eval_without_a_readable_checkpoint_is_one_line(finished, tmp_path):
     assert messages(done.stderr)[-1].startswith(f"error: no readable checkpoint in {out / 'checkpoints'}")
 
 
+def test_sao_eval_under_another_model_names_the_key_and_calls_no_checkpoint_unreadable(finished, tmp_path):
+    out = copy_of(finished, tmp_path)
+    done = run(out, finished[1], "model.preset=tiny_glm4_moe", program="evaluate_main")
+    assert done.returncode == 2 and "unreadable" not in done.stderr and "Traceback" not in done.stderr
+    assert messages(done.stderr) == [
+        f"error: checkpoint step 6 in {out / 'checkpoints'} was saved under another model or state (model.preset: "
+        "tiny_qwen3_moe → tiny_glm4_moe), whose arrays this config's do not fit: pass the run's own values of these "
+        "keys"]  # fmt: skip
+
+
+def test_resume_of_a_run_past_a_lowered_train_steps_is_refused_touching_nothing(finished, tmp_path):
+    """A finished 6-step run resumed with train.steps=3 would train nothing and report 3 steps beside
+    metrics that reach 6: refused instead, naming the step reached and what to do."""
+    out = copy_of(finished, tmp_path)
+    before = snapshot(out)
+    done = run(out, finished[1], "train.steps=3", "--resume")
+    assert done.returncode == 2
+    assert messages(done.stderr) == [f"error: the run in {out / 'checkpoints'} has reached step 6, past train.steps=3: "
+                                     "raise train.steps to train it further, or evaluate it with sao-eval"]  # fmt: skip
+    assert snapshot(out) == before
+    again = run(out, finished[1], "--resume")  # the same train.steps: nothing left to do, the same summary
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == 6
+    assert "in 6 RL steps" in again.stdout
+
+
 # `train(..., resume=True)` with the rollout engine recording, one JSON line each, its start index and
 # the prompt indices of every batch it hands out.
 RECORDING_TRAINER = """

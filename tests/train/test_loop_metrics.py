@@ -10,6 +10,7 @@ from sao_jax.config import load_config
 from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
 from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.metrics import MetricsWriter, read_metrics
+from sao_jax.rollout.failures import DeadEnvironmentError
 from sao_jax.train import batches, build, evaluation, warm_start
 
 
@@ -126,3 +127,66 @@ def test_run_summary_reports_the_warm_start_and_whether_the_gain_beats_its_noise
     assert small["learned"] is False  # 0.125 < 2 · sqrt((0.1875 + 0.234375) / 64) = 0.1624
     assert "did not learn" in evaluation.summary_line(small)
     assert evaluation.run_summary(lines[:3], num_eval_prompts=64, steps=0).get("learned") is None
+
+
+def test_run_summary_never_reports_an_evaluation_that_did_not_run():
+    """Every RL step lost its rollouts (skipped, no evaluation after step 0): the end is None, not the
+    start again, and no step counts as trained."""
+    lines = [{"step": 0, "eval/success_rate": 0.25}, *({"step": s, "train/skipped_no_data": 1} for s in (1, 2, 3))]
+    summary = evaluation.run_summary(lines, num_eval_prompts=8)
+    assert (summary["eval_success_start"], summary["eval_success_end"], summary["steps"]) == (0.25, None, 0)
+    assert "gain" not in summary
+    assert evaluation.summary_line(summary) == "held-out success: not evaluated twice (no verdict)"
+    trained = [*lines, {"step": 4, "train/reward_mean": 0.5}, {"step": 5, "eval/success_rate": 0.5}]
+    assert evaluation.run_summary(trained, num_eval_prompts=8)["steps"] == 2  # steps 4 and 5 trained
+
+
+@pytest.mark.parametrize("damage", ["truncated", "other_shapes"])
+def test_an_unreadable_sft_cache_entry_is_named_moved_aside_and_redone(tmp_path, caplog, damage):
+    def sft(name):
+        config = load_config(overrides=["model.preset=tiny_qwen3_moe", "sft.steps=2", "sft.batch_size=4",
+                                        "sft.target_demonstration_probability=0", "env.train_prompts=16",
+                                        "env.difficulty=[1]", "rollout.max_total_tokens=64",
+                                        f"sft.cache_dir={tmp_path / 'cache'}", f"output_dir={tmp_path / name}"])  # fmt: skip
+        with MetricsWriter(tmp_path / name, tensorboard=False) as writer:
+            params = warm_start.run_sft(build.build_run(config), writer)
+        return jax.tree.map(np.asarray, params), config
+
+    stored, config = sft("stored")
+    entry = tmp_path / "cache" / f"sft_{warm_start.sft_cache_key(config)}.npz"
+    if damage == "truncated":
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 2])  # a copy cut short
+    else:
+        leaves = {f"leaf_{i}": np.zeros(3) for i in range(len(jax.tree.leaves(stored)))}
+        np.savez(entry, metrics="[]", **leaves)
+    damaged = entry.read_bytes()
+    with caplog.at_level("WARNING", logger="sao_jax"):
+        redone, _ = sft("redone")
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(said) == 1 and said[0].startswith(f"the SFT cache entry {entry} is unreadable (")
+    assert said[0].endswith(f"moved it aside to {entry.with_suffix('.unreadable.npz')} and training the warm start again")
+    assert entry.with_suffix(".unreadable.npz").read_bytes() == damaged  # kept for whoever wants to look
+    for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(redone)):  # redone: the same warm start
+        np.testing.assert_array_equal(a, b)
+    assert _sft_lines(tmp_path / "redone") == _sft_lines(tmp_path / "stored") != []
+    loaded, _ = sft("loaded")  # and stored again, whole
+    for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(loaded)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_value_pretraining_needs_its_floor_of_usable_rollouts():
+    """At most half of critic.pretrain_rollouts (by default) may fail, and one batch must be left:
+    below that the run stops naming the most frequent error, instead of an IndexError."""
+    config = load_config(overrides=["critic.pretrain_rollouts=8", "train.batch_size=4"])
+    failed = [_trajectory({}) for _ in range(5)]
+    for i, t in enumerate(failed):
+        t.info["error"] = "env.step raised RuntimeError: gone" if i else "env.reset did not return within its deadline"
+    with pytest.raises(DeadEnvironmentError, match=r"^value pretraining got 3 usable rollouts of 8, fewer than its "
+                                                   r"floor of 4 .* the environment failed 5, most often "
+                                                   r"'env.step raised RuntimeError: gone' \(4 times\)$"):  # fmt: skip
+        warm_start.check_pretraining_corpus(config, failed + [_trajectory({}) for _ in range(3)], 3)
+    warm_start.check_pretraining_corpus(config, failed[:4] + [_trajectory({}) for _ in range(4)], 4)
+    lenient = load_config(overrides=["critic.pretrain_rollouts=8", "train.batch_size=4",
+                                     "critic.pretrain_min_usable_fraction=0"])  # fmt: skip
+    with pytest.raises(DeadEnvironmentError, match="fewer than its floor of 4"):  # one batch, whatever the share
+        warm_start.check_pretraining_corpus(lenient, failed + [_trajectory({}) for _ in range(3)], 3)
