@@ -155,14 +155,17 @@ PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...
     ("advantage.png", "Advantage over action tokens",
      ((("policy/advantage_first_action_token", "policy/advantage_last_action_token", "policy/advantage_mean"),
        "mean: first token of each action, last token, every action token"), ("policy/advantage_std", "spread"))),
-    ("keep_rule.png", "Keep rule",
-     (("policy/masked_fraction", "masked fraction"), ("policy/masked_entropy_mean", "masked-token entropy"))),
+    ("keep_rule.png", "Keep rule, and the training-inference mismatch on lag-0 tokens",
+     ((("policy/masked_fraction", "mismatch/masked_fraction"), "masked fraction: all action tokens, lag-0 ones"),
+      ("policy/masked_entropy_mean", "masked-token entropy"),
+      (("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max"), "|log μ − log π_θ|, lag-0 tokens: mean, max"))),
     ("tools.png", "Tool choice (calculator: the estimator is the weak demonstrator's tool)",
      (("train/tool_share/est", "estimator share, train"), ("eval/tool_share/est", "estimator share, held-out"))),
     ("advantage_probe.png", "Advantage quality: the estimator's advantage at each decision against Monte-Carlo Q − V",
      (("probe/advantage_correlation", "correlation"), (("probe/advantage_rmse", "probe/mc_advantage_std"),
                                                         "RMSE, and the spread of the Monte-Carlo advantages"))),
-    ("staleness.png", "Asynchrony", (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
+    ("staleness.png", "Asynchrony, or sync mode's policy lag",
+     (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
 )  # fmt: skip
 
 
@@ -192,11 +195,13 @@ def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None =
             continue
         fig, axes = plt.subplots(1, len(present), figsize=(5 * len(present), 3.5), squeeze=False)
         for ax, (keys, metrics, label) in zip(axes[0], present):
-            for key in keys:
+            names = [key.rsplit("/", 1)[-1] for key in keys]
+            names = names if len(set(names)) == len(names) else keys  # the whole key where last parts repeat
+            for key, name in zip(keys, names):
                 points = [(line["step"], line[key]) for line in lines if line.get(key) is not None]
                 steps, values = zip(*points)
                 ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3,
-                        label=key.rsplit("/", 1)[-1] if len(keys) > 1 else None)  # fmt: skip
+                        label=name if len(keys) > 1 else None)  # fmt: skip
             if isinstance(metrics, str) and metrics.endswith("grad_norm/"):
                 ax.set_yscale("symlog", linthresh=1e-6)  # a frozen group's norm is exactly 0
             if len(keys) > 1:

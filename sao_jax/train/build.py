@@ -31,7 +31,8 @@ from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster, ProcessRollouts
 
 # Stream ids folded into the seed so each consumer of randomness has its own stream.
-SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM, ADVANTAGE_PROBE_STREAM = range(7)
+(SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM, ADVANTAGE_PROBE_STREAM,
+ POLICY_LAG_STREAM) = range(8)
 
 
 @dataclasses.dataclass
