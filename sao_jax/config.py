@@ -251,7 +251,7 @@ class RolloutConfig:
     # (C++ kernels, XLA:CPU only; the same numbers, several times faster there) or "auto" (native_cpu
     # where JAX's backend is the CPU, else xla). Checked against the machine when the run is built.
     decode_backend: str = "auto"
-    # Sync mode's deterministic policy lag L (docs/algorithms.md §11): RL step t samples its batch with
+    # Sync mode's deterministic policy lag L (docs/algorithms.md §13): RL step t samples its batch with
     # the policy weights of version t − 1 − L, those after step t − 1 − L (the warm start, version 0,
     # while t − 1 − L < 0), from a ring of the L versions before the current one kept on the host and in
     # every checkpoint. 0: the trainer's current weights, sync mode as it is without a lag.
