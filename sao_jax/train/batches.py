@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,17 +30,18 @@ class PolicyLagRing:
     weights of the versions before the current one, as far back as L.
 
     Version v is the policy after RL step v (0: the warm start). `record(v, weights)` keeps a host copy
-    of version v and forgets the versions older than v − L; `weights(v)` is version v, on the device.
+    of version v and forgets the versions older than v − L; `weights(v)` is version v placed as the
+    trainer's weights are (`place`: the run's `Cluster.place` on a mesh, else onto the default device).
     A checkpoint after step s holds the L versions s − L … s − 1, each clamped at 0 (`saved`: the
     versions steps s + 1 … s + L may sample with, the current one s being the state's own), and a
     resumed run starts from them (`restored`), so it samples with what the uninterrupted run did.
     """
 
-    def __init__(self, lag: int, versions: dict[int, Any] | None = None):
+    def __init__(self, lag: int, place: Callable[[Any], Any] = jax.device_put):
         if jax.process_count() > 1:
             raise ValueError("rollout.policy_lag > 0 keeps its weight versions on one host: run it as one process")
-        self.lag = lag
-        self.versions: dict[int, Any] = dict(versions or {})
+        self.lag, self.place = lag, place
+        self.versions: dict[int, Any] = {}
 
     def record(self, version: int, weights) -> None:
         if version not in self.versions:
@@ -47,7 +49,7 @@ class PolicyLagRing:
         self.versions = {v: w for v, w in self.versions.items() if v >= version - self.lag}
 
     def weights(self, version: int):
-        return jax.device_put(self.versions[version])
+        return self.place(self.versions[version])
 
     def saved_versions(self, step: int) -> list[int]:
         """The versions a checkpoint after RL step `step` holds: step − L … step − 1, clamped at 0."""
@@ -60,9 +62,10 @@ class PolicyLagRing:
         return [versions[v] for v in self.saved_versions(step)]
 
     @classmethod
-    def restored(cls, lag: int, step: int, saved: list[Any]) -> PolicyLagRing:
+    def restored(cls, lag: int, step: int, saved: list[Any], place: Callable[[Any], Any] = jax.device_put
+                 ) -> PolicyLagRing:  # fmt: skip
         """The ring of a run resumed after RL step `step` from the checkpoint's part `saved`."""
-        ring = cls(lag)
+        ring = cls(lag, place)
         ring.versions = {v: jax.device_get(w) for v, w in zip(ring.saved_versions(step), saved)}
         return ring
 

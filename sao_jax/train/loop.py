@@ -89,7 +89,7 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
         checkpointer.set_aside(restored.unreadable)
         start_step, state, host = restored.step, restored.state, restored.host
         if lag:
-            ring = PolicyLagRing.restored(lag, start_step, restored.lagged_policy)
+            ring = PolicyLagRing.restored(lag, start_step, restored.lagged_policy, place_weights(cluster))
         truncate_after(metrics_file, start_step)
         log.info("resumed from step %d of %s", start_step, checkpointer.directory)
     else:
@@ -99,7 +99,7 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
                 if previous.exists():
                     previous.rename(free_name(previous, "previous"))
         start_step, host = 0, {}
-        ring = PolicyLagRing(lag) if lag else None
+        ring = PolicyLagRing(lag, place_weights(cluster)) if lag else None
     if primary:
         record_config(out, config, start_step)
 
@@ -137,6 +137,12 @@ def record_config(out: Path, config: Config, start_step: int) -> None:
         path = free_name(path, f"resume-{start_step}")
     if not path.exists():
         path.write_text(text)
+
+
+def place_weights(cluster):
+    """Where the lag's weight versions go to sample: the run's mesh, as the trainer's weights, or the
+    default device."""
+    return jax.device_put if cluster.mesh is None else cluster.place
 
 
 def lagged_policy(ring: PolicyLagRing | None, step: int, state, graphs):

@@ -15,7 +15,7 @@ from flax import nnx
 
 from sao_jax.config import ConfigError, load_config
 from sao_jax.rollout.trajectory import Trajectory, collate
-from sao_jax.train import batches, build
+from sao_jax.train import batches, build, warm_start
 from tests.train.test_groups_trace import fake_run
 from tests.xla_flags import xla_flags
 
@@ -108,6 +108,13 @@ def test_a_ring_restored_from_its_checkpoint_part_samples_as_the_uninterrupted_o
     assert loop_a.calls == loop_b.calls
     # At step 0 every saved version is the warm start.
     assert [float(w["w"][0]) for w in batches.PolicyLagRing(2).saved(0, weights_of(0))] == [0.0, 0.0]
+
+
+def test_the_rows_of_every_lag_share_one_warm_start():
+    plain = load_config(None, ["sft.cache_dir=/c"])
+    lagged = load_config(None, ["sft.cache_dir=/c", "rollout.policy_lag=4", "rollout.policy_lag_spread=uniform"])
+    assert warm_start.sft_cache_key(lagged) == warm_start.sft_cache_key(plain)
+    assert warm_start.sft_cache_key(load_config(None, ["rollout.top_k=5"])) != warm_start.sft_cache_key(plain)
 
 
 def test_the_lag_is_sync_modes_and_its_spread_a_known_name():
