@@ -87,6 +87,7 @@ def synthetic_batch(config: ModelConfig, batch: int, seq: int, seed: int = 0) ->
         rollout_logprobs=jnp.full((batch, seq), -np.log(config.vocab_size), jnp.float32),
         rollout_entropy=jnp.full((batch, seq), np.log(config.vocab_size), jnp.float32),
         policy_version=jnp.zeros((batch, seq), jnp.int32),
+        staleness=jnp.zeros((batch, seq), jnp.int32),
         rewards=jnp.asarray(rewards),
         turn_index=jnp.asarray(np.broadcast_to(turn, (batch, seq)), jnp.int32),
         prompt_id=jnp.arange(batch, dtype=jnp.int32),

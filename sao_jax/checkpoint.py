@@ -7,7 +7,9 @@
   save starts;
 - `config`: the resolved config the run was saved under;
 - `host`: what the trainer needs besides the arrays — the step and, in async mode, each process's
-  position in its prompt stream (`StreamingBatches.host_state`).
+  position in its prompt stream (`StreamingBatches.host_state`);
+- `lagged_policy`, with sync mode's lag only (`rollout.policy_lag` > 0): the policy versions before the
+  current one that the next steps sample with (`PolicyLagRing.saved`), digested with `state`.
 
 Saves are asynchronous; the last `keep` are kept. A save Orbax declines (a step not newer than the
 newest one present) raises instead of being dropped.
@@ -68,6 +70,9 @@ SHAPING_KEYS = (
     "loss.kl_coef",
 )  # fmt: skip
 
+# The checkpoint item of sync mode's lagged policy versions, and the prefix of their digest entries.
+LAGGED_POLICY = "lagged_policy"
+
 # Loggers that report an unreadable step at length (tracebacks, a whole TensorStore spec) while
 # `restore_latest` already reports it in one line.
 _NOISY_LOGGERS = ("absl", "asyncio", "orbax")
@@ -127,6 +132,17 @@ def _verify_values(state: Any) -> tuple[Any, Any]:
 
 def _by_path(tree: Any) -> dict[str, Any]:
     return {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _verify(tree: Any, digest: Mapping[str, int], name: str, prefix: str) -> None:
+    """Raise ValueError when an array of `tree` (the item `name`) does not match its digest entry
+    (keyed `prefix` + its path) or holds NaN/inf."""
+    sums, finite = (_by_path(t) for t in jax.device_get(_verify_values(tree)))
+    for path, value in sums.items():
+        if digest.get(prefix + path) != int(value):
+            raise ValueError(f"the array {name}{path} does not match its digest")
+        if not finite[path]:
+            raise ValueError(f"the array {name}{path} holds NaN or inf")
 
 
 def checksums(state: Any) -> dict[str, int]:
@@ -245,6 +261,7 @@ class Restored:
     state: Any
     host: dict[str, Any]
     unreadable: tuple[int, ...]  # steps newer than `step`, newest first
+    lagged_policy: Any = None  # the `lagged_policy` item, when asked for
 
 
 class Checkpointer:
@@ -263,11 +280,17 @@ class Checkpointer:
         with _quiet():  # Orbax logs each step whose metadata does not parse; `restore_latest` reports it
             self._manager = ocp.CheckpointManager(self.directory, options=options)
 
-    def save(self, step: int, state: Any, host: dict[str, Any]) -> None:
+    def save(self, step: int, state: Any, host: dict[str, Any], *, lagged_policy: Any = None) -> None:
         """Start saving (returns before the write finishes when async; `wait` blocks on it). Raises
-        when Orbax declines the save (a step >= `step` is already there)."""
-        items = ocp.args.Composite(state=ocp.args.StandardSave(state), digest=ocp.args.JsonSave(checksums(state)),
-                                   config=ocp.args.JsonSave(self.config), host=ocp.args.JsonSave(host))  # fmt: skip
+        when Orbax declines the save (a step >= `step` is already there). `lagged_policy`: the item of
+        that name (module docstring), when the run has one."""
+        digest = checksums(state)
+        items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.config),
+                     host=ocp.args.JsonSave(host))  # fmt: skip
+        if lagged_policy is not None:
+            digest |= {LAGGED_POLICY + path: value for path, value in checksums(lagged_policy).items()}
+            items[LAGGED_POLICY] = ocp.args.StandardSave(lagged_policy)
+        items = ocp.args.Composite(**items, digest=ocp.args.JsonSave(digest))
         if not self._manager.save(int(step), args=items):
             raise RuntimeError(f"checkpoint step {step} was not saved in {self.directory}: "
                                f"step {self._manager.latest_step()} is already there")  # fmt: skip
@@ -286,21 +309,26 @@ class Checkpointer:
         restored = self._manager.restore(int(step), args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state), digest=ocp.args.JsonRestore(),
             host=ocp.args.JsonRestore()))  # fmt: skip
-        state, digest = restored["state"], dict(restored["digest"])
-        sums, finite = (_by_path(tree) for tree in jax.device_get(_verify_values(state)))
-        for path, value in sums.items():
-            if digest.get(path) != int(value):
-                raise ValueError(f"the array state{path} does not match its digest")
-            if not finite[path]:
-                raise ValueError(f"the array state{path} holds NaN or inf")
-        return state, dict(restored["host"])
+        _verify(restored["state"], dict(restored["digest"]), "state", "")
+        return restored["state"], dict(restored["host"])
+
+    def restore_lagged_policy(self, step: int, abstract: Any) -> Any:
+        """The `lagged_policy` item of `step`, verified as `restore` verifies the state."""
+        if not (self.directory / str(int(step)) / LAGGED_POLICY).exists():
+            raise ValueError(f"step {step} holds no {LAGGED_POLICY} (saved without rollout.policy_lag)")
+        restored = self._manager.restore(int(step), args=ocp.args.Composite(
+            **{LAGGED_POLICY: ocp.args.StandardRestore(abstract)}, digest=ocp.args.JsonRestore()))  # fmt: skip
+        _verify(restored[LAGGED_POLICY], dict(restored["digest"]), LAGGED_POLICY, LAGGED_POLICY)
+        return restored[LAGGED_POLICY]
 
     def saved_config(self, step: int) -> dict[str, Any]:
         """The config `step` was saved under."""
         return dict(self._manager.restore(int(step), args=ocp.args.Composite(config=ocp.args.JsonRestore()))["config"])
 
-    def restore_latest(self, abstract_state: Any, *, allow_config_change: bool = False) -> Restored | None:
-        """The newest step that restores, or None when there is no step at all. Each unreadable step
+    def restore_latest(self, abstract_state: Any, *, allow_config_change: bool = False,
+                       abstract_lagged_policy: Any = None) -> Restored | None:  # fmt: skip
+        """The newest step that restores (with its `lagged_policy` item too when
+        `abstract_lagged_policy` is given), or None when there is no step at all. Each unreadable step
         is logged in one line. Raises `ResumeError` when steps exist but none is readable, or when the
         newest step whose config reads was saved under another config (`config_changes`; unless
         `allow_config_change`)."""
@@ -317,6 +345,8 @@ class Checkpointer:
                                 f"({'; '.join(changes)}); pass --allow-config-change to resume all the same")
                         compared = True
                     state, host = self.restore(step, abstract_state)
+                    lagged_policy = (None if abstract_lagged_policy is None
+                                     else self.restore_lagged_policy(step, abstract_lagged_policy))  # fmt: skip
             except ResumeError:
                 raise
             except Exception as error:  # noqa: BLE001 — any unreadable step is skipped, in one line
@@ -330,7 +360,7 @@ class Checkpointer:
                 unreadable.append((step, _cause(error)))
                 log.warning("checkpoint step %d in %s is unreadable (%s)", step, self.directory, unreadable[-1][1])
                 continue
-            return Restored(step, state, host, tuple(s for s, _ in unreadable))
+            return Restored(step, state, host, tuple(s for s, _ in unreadable), lagged_policy)
         if unreadable:
             causes = "; ".join(f"step {s}: {cause}" for s, cause in unreadable)
             raise ResumeError(f"no readable checkpoint in {self.directory} ({causes})")

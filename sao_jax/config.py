@@ -277,6 +277,19 @@ class RolloutConfig:
     # (C++ kernels, XLA:CPU only; the same numbers, several times faster there) or "auto" (native_cpu
     # where JAX's backend is the CPU, else xla). Checked against the machine when the run is built.
     decode_backend: str = "auto"
+    # Sync mode's deterministic policy lag L (docs/algorithms.md §13): RL step t samples its batch with
+    # the policy weights of version t − 1 − L, those after step t − 1 − L (the warm start, version 0,
+    # while t − 1 − L < 0), from a ring of the L versions before the current one kept on the host and in
+    # every checkpoint. 0: the trainer's current weights, sync mode as it is without a lag.
+    policy_lag: int = ranged(0, NON_NEGATIVE)
+    # How each trajectory's lag is set: "fixed" (every trajectory L) or "uniform" (each trajectory its
+    # own, uniform on 0..L, drawn from the seed and the step: staleness spread as the async engine's is).
+    policy_lag_spread: str = "fixed"
+
+    def problems(self) -> list[tuple[str, str]]:
+        if self.policy_lag_spread not in ("fixed", "uniform"):
+            return [("policy_lag_spread", f"must be fixed or uniform (got {self.policy_lag_spread!r})")]
+        return []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -435,6 +448,9 @@ class Config:
                                                  f"advantage.gamma = 1 (got {self.advantage.gamma})"))  # fmt: skip
         if self.env.name == "scaffold":
             out += self._scaffold_problems()
+        if self.rollout.policy_lag and self.train.mode != "sync":
+            out.append(("rollout.policy_lag", f"is sync mode's lag (train.mode=sync); async mode's staleness comes "
+                                              f"from its engine (got train.mode={self.train.mode})"))  # fmt: skip
         k = self.critic.updates_per_policy_update
         if self.loss.value_clip_eps is not None and k < 2:
             out.append(("loss.value_clip_eps", f"needs critic.updates_per_policy_update >= 2: the clip is around the "

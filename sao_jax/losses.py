@@ -10,7 +10,8 @@ hyperparameters from config with `functools.partial`. Every metrics dict has exa
 `POLICY_METRIC_KEYS`, so logging is the same whichever loss runs.
 
 Token populations used in the metrics (all are subsets of the action tokens):
-  dropped  — removed by the loss's keep rule (DIS band, IcePop band, ESTR rule); none for PPO-clip.
+  dropped  — removed by the loss's keep rule (DIS band, IcePop band, ESTR rule); none for PPO-clip
+             (either anchor) and the plain policy gradient.
   clipped  — kept by the keep rule but clipped by the PPO min/clip, so their gradient is zero:
              Â > 0 and r > 1+ε_high, or Â < 0 and r < 1−ε_low; none for DIS (it has no clip).
   masked   — dropped ∪ clipped: every action token that receives no gradient.
@@ -40,6 +41,9 @@ class PolicyLossInputs(NamedTuple):
     action_mask:     1 on tokens the policy sampled.
     rollout_entropy: H_t, entropy of μ_t over the full vocabulary; read by "estr" and by the
                      entropy diagnostics of every loss.
+    fresh_mask:      1 on the action tokens sampled by the very weights being trained (lag 0), where
+                     log μ − log π_θ is the training–inference mismatch alone (`mismatch/*` metrics);
+                     None: every action token.
     """
 
     logp: Array
@@ -48,6 +52,7 @@ class PolicyLossInputs(NamedTuple):
     advantages: Array
     action_mask: Array
     rollout_entropy: Array
+    fresh_mask: Array | None = None
 
 
 POLICY_METRIC_KEYS = (
@@ -60,6 +65,9 @@ POLICY_METRIC_KEYS = (
     "ratio_mean",
     "ratio_max",
     "rollout_log_ratio_mean",
+    "mismatch/logprob_abs_mean",
+    "mismatch/logprob_abs_max",
+    "mismatch/masked_fraction",
 )
 
 
@@ -206,9 +214,16 @@ def _policy_metrics(
 ) -> dict[str, Array]:
     """The uniform metrics dict (keys = POLICY_METRIC_KEYS); populations as in the module docstring.
 
-    ratio: the ratio the loss itself uses (π_θ/π_rollout for DIS and ESTR, π_θ/π_θ_old for
-    PPO-clip and IcePop). rollout_log_ratio_mean = mean of log π_θ − log π_rollout over action
-    tokens, the train/inference mismatch; its negative is the k1 estimate of KL(μ ‖ π_θ).
+    ratio: the ratio the loss itself uses (π_θ/π_rollout for DIS, ESTR, PPO-clip against the rollout
+    and the plain policy gradient, π_θ/π_θ_old for PPO-clip and IcePop). rollout_log_ratio_mean = mean
+    of log π_θ − log π_rollout over action tokens, the drift of stale tokens and the train/inference
+    mismatch together; its negative is the k1 estimate of KL(μ ‖ π_θ). The mismatch alone, on the
+    fresh tokens F (`PolicyLossInputs.fresh_mask`), before the update:
+
+        mismatch/logprob_abs_mean = Σ_F |log μ_t − log π_θ(a_t)| / |F|,  mismatch/logprob_abs_max = max_F,
+        mismatch/masked_fraction  = |F ∩ masked| / |F|,
+
+    each NaN when F is empty (every action token stale).
     """
     is_action = inputs.action_mask.astype(bool)
     dropped = dropped & is_action
@@ -218,6 +233,9 @@ def _policy_metrics(
     entropy = jax.lax.stop_gradient(inputs.rollout_entropy)
     ratio = jax.lax.stop_gradient(ratio)
     rollout_log_ratio = jax.lax.stop_gradient(inputs.logp) - inputs.rollout_logp
+    fresh = is_action if inputs.fresh_mask is None else is_action & inputs.fresh_mask.astype(bool)
+    some_fresh = jnp.any(fresh)
+    mismatch = jnp.abs(rollout_log_ratio)
     return {
         "kept_fraction": _masked_mean(kept.astype(jnp.float32), is_action),
         "masked_fraction": _masked_mean(masked.astype(jnp.float32), is_action),
@@ -229,6 +247,9 @@ def _policy_metrics(
         # Ratios are positive, so 0 stands for "no action tokens".
         "ratio_max": jnp.max(jnp.where(is_action, ratio, 0.0)),
         "rollout_log_ratio_mean": _masked_mean(rollout_log_ratio, is_action),
+        "mismatch/logprob_abs_mean": jnp.where(some_fresh, _masked_mean(mismatch, fresh), jnp.nan),
+        "mismatch/logprob_abs_max": jnp.where(some_fresh, jnp.max(jnp.where(fresh, mismatch, 0.0)), jnp.nan),
+        "mismatch/masked_fraction": jnp.where(some_fresh, _masked_mean(masked.astype(jnp.float32), fresh), jnp.nan),
     }
 
 
@@ -306,11 +327,45 @@ def estr_loss(
     return loss, _policy_metrics(inputs, ratio, dropped=~keep, clipped=clipped)
 
 
+def ppo_clip_rollout_loss(inputs: PolicyLossInputs, *, eps_low: float = 0.2, eps_high: float = 0.28):
+    """PPO-clip anchored at the rollout policy μ, with no keep rule.
+
+    L = −Σ_t min(r Â, clip(r, 1−ε_low, 1+ε_high) Â) / N over action tokens, r_t = π_θ(a_t)/μ_t(a_t):
+    the ratio's drift on stale tokens (and the train/inference mismatch) is clipped, never dropped —
+    ESTR without its keep rule (τ = ∞). masked_fraction is the clip fraction. Does not read old_logp.
+    """
+    _check_inputs(inputs, "ppo_clip_rollout", needs_old_logp=False)
+    keep = jnp.ones(inputs.action_mask.shape, bool)
+    loss, ratio, clipped = _clipped_surrogate_loss(inputs, inputs.rollout_logp, keep, eps_low, eps_high)
+    return loss, _policy_metrics(inputs, ratio, dropped=~keep, clipped=clipped)
+
+
+def pg_loss(inputs: PolicyLossInputs):
+    """The plain policy gradient, no off-policy correction: L = −Σ_t Â_t log π_θ(a_t) / N over
+    action tokens.
+
+    ∇L = −Σ_t Â_t ∇log π_θ(a_t) / N: every token weighs as if π_θ had sampled it, however stale (no
+    ratio, no keep rule, no clip; nothing masked). On fresh tokens it is the gradient PPO-clip
+    against π_θ_old = π_θ gives at the pre-update point. Metrics' ratio: π_θ/μ, the drift it ignores.
+    Does not read old_logp.
+    """
+    _check_inputs(inputs, "pg", needs_old_logp=False)
+    is_action = inputs.action_mask.astype(bool)
+    advantages = jax.lax.stop_gradient(inputs.advantages)
+    num_action = jnp.maximum(jnp.sum(is_action.astype(jnp.float32)), 1.0)
+    loss = -_masked_sum(inputs.logp * advantages, is_action) / num_action
+    ratio = jnp.exp(jax.lax.stop_gradient(inputs.logp) - inputs.rollout_logp)
+    nothing = jnp.zeros(is_action.shape, bool)
+    return loss, _policy_metrics(inputs, ratio, dropped=nothing, clipped=nothing)
+
+
 POLICY_LOSSES: dict[str, Callable[..., tuple[Array, dict[str, Array]]]] = {
     "dis": dis_loss,
     "icepop": icepop_loss,
     "estr": estr_loss,
     "ppo_clip": ppo_clip_loss,
+    "ppo_clip_rollout": ppo_clip_rollout_loss,
+    "pg": pg_loss,
 }
 
 

@@ -157,14 +157,17 @@ PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...
        "mean: first token of each action, last token, every action token"), ("policy/advantage_std", "spread"),
       (("advantage/window_fill", "advantage/window_empty"),
        "running-mean window: earlier rewards it holds; share of empty windows (baseline 0)"))),
-    ("keep_rule.png", "Keep rule",
-     (("policy/masked_fraction", "masked fraction"), ("policy/masked_entropy_mean", "masked-token entropy"))),
+    ("keep_rule.png", "Keep rule, and the training-inference mismatch on lag-0 tokens",
+     ((("policy/masked_fraction", "mismatch/masked_fraction"), "masked fraction: all action tokens, lag-0 ones"),
+      ("policy/masked_entropy_mean", "masked-token entropy"),
+      (("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max"), "|log μ − log π_θ|, lag-0 tokens: mean, max"))),
     ("tools.png", "Tool choice (calculator: the estimator is the weak demonstrator's tool)",
      (("train/tool_share/est", "estimator share, train"), ("eval/tool_share/est", "estimator share, held-out"))),
     ("advantage_probe.png", "Advantage quality: the estimator's advantage at each decision against Monte-Carlo Q − V",
      (("probe/advantage_correlation", "correlation"), (("probe/advantage_rmse", "probe/mc_advantage_std"),
                                                         "RMSE, and the spread of the Monte-Carlo advantages"))),
-    ("staleness.png", "Asynchrony", (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
+    ("staleness.png", "Asynchrony, or sync mode's policy lag",
+     (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
 )  # fmt: skip
 
 

@@ -16,7 +16,9 @@ Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 
 episodes hold 1-4 tool calls; pre-registered in results/DESIGN.md), online (style switches, SAO vs a
 global running mean), open (skip- vs cross-observation GAE on the guessing game; DIS vs ESTR at a
 matched step-0 masked fraction), repair (skip- vs cross-observation GAE, and frozen vs trained critic
-attention, on the chain task whose wrong answer gets a failed test and one repair).
+attention, on the chain task whose wrong answer gets a failed test and one repair), offpolicy (on the
+chain task with sync mode's deterministic policy lag L: DIS vs no correction, PPO-clip against the
+rollout, IcePop and ESTR, and DIS at L = 0).
 
 Runs: seed k = 0..N−1, output_dir = OUT/<suite>/<row>/seed<k>. Resumable: a run whose summary.json
 exists is skipped, a run whose folder holds its config.yaml but no summary is resumed
@@ -104,6 +106,8 @@ class Comparison:
     per_step: tuple[tuple[str, str], ...] = ()  # extra per-step curves: (metric key, label)
     styles: bool = False  # the online experiment's style shares and realignment
     pretraining_curve: bool = False  # value-pretraining corpus size → critic EV → success, one point per row
+    # Extra diagnostic columns, each the mean over RL steps of one metric: (key, header, definition, scale).
+    rl_means: tuple[tuple[str, str, str, float], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +138,17 @@ class Suite:
 REPAIR_OBSERVATION_CURVES = (("critic/before_updates/explained_variance", "critic explained variance before updates"),
                              ("eval/failed_test_share", "held-out share failing the first test"),
                              ("eval/repaired_share", "held-out share repaired"))
+# The off-policy suite's columns besides the masked fraction: what the keep rule drops, and the drift.
+OFF_POLICY_MEANS = (
+    ("policy/masked_entropy_mean", "masked-token entropy", "the mean over RL steps of the mean rollout entropy H of "
+     "the masked action tokens (0 on a step that masks none)", 1.0),
+    ("async/staleness_mean", "staleness", "the mean over RL steps of the trajectories' mean staleness (versions "
+     "between the trainer's policy and the one that sampled)", 1.0),
+    ("mismatch/logprob_abs_mean", "mismatch |log μ − log π_θ|", "the mean over the RL steps with lag-0 tokens of "
+     "the mean over them of |log μ − log π_θ| before the update: the training-inference mismatch alone", 1.0),
+    ("mismatch/masked_fraction", "mismatch masked %", "the mean over the same steps of the share of lag-0 action "
+     "tokens the loss masks", 100.0),
+)  # fmt: skip
 SUITES: dict[str, Suite] = {
     "table4": Suite((Comparison(
         "success", "Table 4: single-rollout design ablations (+ GRPO+DIS)", "sao",
@@ -196,6 +211,22 @@ SUITES: dict[str, Suite] = {
                    per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
                              ("critic/grad_norm/attention", "critic attention gradient norm"))),
     )),
+    "offpolicy": Suite((Comparison(
+        "success", "Off-policy drift: sync mode's policy lag L on the chain task, DIS vs no correction vs "
+        "PPO-clip vs IcePop vs ESTR", "dis",
+        (Row("dis", "DIS (SAO), lag L", (97.3, 74.8)),
+         Row("pg", "no correction (policy gradient), lag L", (91.3, 69.0)),
+         Row("ppo_clip", "PPO-clip against the rollout, lag L"),
+         Row("icepop", "IcePop, lag L"),
+         Row("estr", "ESTR, lag L"),
+         Row("dis_no_lag", "DIS at L = 0")),
+        paper_columns=("AIME2025 (Table 4: SAO vs vanilla VAPO, no DIS)", "BeyondAIME"),
+        per_step=(("policy/masked_fraction", "masked fraction"),
+                  ("policy/masked_entropy_mean", "masked-token entropy"),
+                  ("policy/rollout_log_ratio_mean", "mean log π_θ − log μ over action tokens"),
+                  ("mismatch/logprob_abs_mean", "|log μ − log π_θ| on lag-0 tokens (the mismatch)")),
+        rl_means=OFF_POLICY_MEANS,
+    ),)),
 }
 # The critic suite (results/DESIGN.md, "Critic suite"): SAO with a well-trained critic against the
 # per-prompt running mean where its window fills (a pool of 200 prompts, each drawn ~16 times in 3,200
@@ -734,8 +765,10 @@ class Diagnostic:
     exact_zero: bool = False  # a nonnegative statistic: "0 exactly" when it is 0 in every run
 
 
-def diagnostic_columns(levels: Sequence[str] = ()) -> list[Diagnostic]:
-    """The mechanism diagnostics, one column each; `levels`: the `eval/success_rate/level_<d>` keys."""
+def diagnostic_columns(levels: Sequence[str] = (), rl_means: Sequence[tuple[str, str, str, float]] = ()
+                       ) -> list[Diagnostic]:  # fmt: skip
+    """The mechanism diagnostics, one column each; `levels`: the `eval/success_rate/level_<d>` keys;
+    `rl_means`: a comparison's extra columns (`Comparison.rl_means`)."""
     columns = [
         Diagnostic("critic EV before updates", "the run's median, over the RL steps after the critic warmup "
                    "(`critic.warmup_steps`), of the critic's explained variance on the step's fresh batch before "
@@ -768,6 +801,9 @@ def diagnostic_columns(levels: Sequence[str] = ()) -> list[Diagnostic]:
                    "episodes that called the estimator tool", lambda lines, _: at_last_eval(lines, "eval/tool_share/est"),
                    scale=100.0, spec=".1f"),
     ]  # fmt: skip
+    for key, header, definition, scale in rl_means:
+        columns.append(Diagnostic(header, definition, lambda lines, _, key=key: rl_mean(lines, key), scale=scale,
+                                  spec=".3g" if scale == 1.0 else ".2f", exact_zero=True))  # fmt: skip
     for key in levels:
         level = key[len(LEVEL_PREFIX):]
         columns.append(Diagnostic(f"level {level} success % (last eval)", "", scale=100.0, spec=".1f",
@@ -805,7 +841,7 @@ def diagnostics_table(comparison: Comparison, runs: Mapping[str, Mapping[int, li
     per_row = {row.name: [(lines, warmups.get(row.name, {}).get(seed, 0)) for seed, lines in
                           runs.get(row.name, {}).items()] for row in comparison.rows}  # fmt: skip
     shown = []  # (column, {row: cell}) of the columns some run logs
-    for column in diagnostic_columns(level_keys(runs)):
+    for column in diagnostic_columns(level_keys(runs), comparison.rl_means):
         got = {name: diagnostic_cell(column, found) for name, found in per_row.items() if found}
         if any(c is not None for c in got.values()):
             shown.append((column, got))

@@ -24,6 +24,7 @@ LONGEST_FILES = (
     "tests/train/test_multiprocess.py",  # ~290: ten `sao-train` processes
     "tests/train/test_resume.py",  # ~150: five runs, three killed or resumed
     "tests/train/test_groups_trace.py",  # ~110
+    "tests/train/test_policy_lag.py",  # two `sao-train` processes, one resumed
     "tests/train/test_steps.py",  # ~90
     "tests/train/test_micro_batches.py",
     "tests/test_train_step_bench.py",

@@ -52,6 +52,26 @@ def test_round_trip_of_state_and_host_dict(tmp_path):
     assert host == {"prompts_taken": 12, "style_phase": "cute", "config": {"seed": 3}}
 
 
+def test_the_lagged_policy_item_round_trips_is_digested_and_only_read_when_asked_for(tmp_path):
+    lagged = [jax.device_get(make_state(v)["params"]) for v in (5, 6)]  # host copies, as the ring keeps them
+    with Checkpointer(tmp_path / "ckpt", config={}, async_save=False) as ckpt:
+        ckpt.save(1, make_state(1), {}, lagged_policy=lagged)
+        ckpt.save(2, make_state(2), {})  # a step saved without one
+        shapes = abstract(lagged)
+        with pytest.raises(ValueError, match="step 2 holds no lagged_policy"):
+            ckpt.restore_lagged_policy(2, shapes)
+        restored = ckpt.restore_latest(abstract(make_state(0)), abstract_lagged_policy=shapes)
+        assert restored.step == 1 and restored.unreadable == (2,)  # the newest step lacks it: the next newest
+        jax.tree.map(np.testing.assert_array_equal, restored.lagged_policy, lagged)
+        assert ckpt.restore_latest(abstract(make_state(0))).lagged_policy is None  # sao-eval reads the state only
+    lagged_dir = tmp_path / "ckpt" / "1" / "lagged_policy"
+    flip_a_byte(max((p for p in lagged_dir.rglob("*") if p.is_file() and p.parent.name == "d"),
+                    key=lambda p: p.stat().st_size))  # fmt: skip
+    with Checkpointer(tmp_path / "ckpt", config={}) as ckpt:
+        with pytest.raises(ValueError, match=r"the array lagged_policy\[\d\]\['w'\] does not match its digest"):
+            ckpt.restore_lagged_policy(1, shapes)
+
+
 def test_keeps_only_the_last_n(tmp_path):
     with Checkpointer(tmp_path / "ckpt", config={}, keep=2) as ckpt:
         for step in range(1, 5):

@@ -230,6 +230,8 @@ ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "train.batch_size": "the rows each batch source collates (rl_loop): tests/train/test_groups_trace.py",
     "train.keep_checkpoints": "the Checkpointer's retention (train): tests/test_checkpoint.py",
     "train.max_staleness": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
+    "rollout.policy_lag": "the sync batch source's weight versions (LockstepBatches): tests/train/test_policy_lag.py",
+    "rollout.policy_lag_spread": "the sync batch source's lag draw (LockstepBatches): tests/train/test_policy_lag.py",
     "train.queue_capacity": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
     **{f"train.probe_{name}": "the advantage probe (train.advantage_probe): tests/train/test_advantage_probe.py"
        for name in ("every", "prompts", "continuations")},

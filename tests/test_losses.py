@@ -34,6 +34,7 @@ def _random_inputs(seed, *, batch=BATCH, time=TIME, padding_logp=None):
         logp = np.where(action_mask, logp, padding_logp)
     advantages = rng.normal(size=shape) * action_mask
     rollout_entropy = rng.uniform(0.0, 3.0, shape)
+    fresh_mask = rng.uniform(size=shape) < 0.6  # the tokens the trained weights sampled themselves (lag 0)
     return PolicyLossInputs(
         logp=jnp.asarray(logp, jnp.float32),
         rollout_logp=jnp.asarray(rollout_logp, jnp.float32),
@@ -41,13 +42,16 @@ def _random_inputs(seed, *, batch=BATCH, time=TIME, padding_logp=None):
         advantages=jnp.asarray(advantages, jnp.float32),
         action_mask=jnp.asarray(action_mask),
         rollout_entropy=jnp.asarray(rollout_entropy, jnp.float32),
+        fresh_mask=jnp.asarray(fresh_mask),
     )
 
 
 def _np(inputs):
-    """The inputs as float64 numpy arrays (action_mask as bool)."""
+    """The inputs as float64 numpy arrays (the masks as bool; fresh_mask all-True when None)."""
     out = {k: np.asarray(v, np.float64) for k, v in inputs._asdict().items() if v is not None}
     out["action_mask"] = np.asarray(inputs.action_mask).astype(bool)
+    fresh = inputs.fresh_mask if inputs.fresh_mask is not None else np.ones(inputs.action_mask.shape)
+    out["fresh_mask"] = np.asarray(fresh).astype(bool)
     return out
 
 
@@ -121,7 +125,20 @@ def np_metrics(x, ratio, dropped, clipped):
         "ratio_mean": ratio[action].mean(),
         "ratio_max": ratio[action].max(),
         "rollout_log_ratio_mean": (x["logp"] - x["rollout_logp"])[action].mean(),
+        **np_mismatch(x, masked),
     }
+
+
+def np_mismatch(x, masked):
+    """|log μ − log π_θ| over the fresh action tokens (mean, max) and the share of them masked; NaN
+    without a fresh token."""
+    fresh = x["action_mask"] & x["fresh_mask"]
+    gap = np.abs(x["rollout_logp"] - x["logp"])[fresh]
+    if not fresh.any():
+        return dict.fromkeys(("mismatch/logprob_abs_mean", "mismatch/logprob_abs_max", "mismatch/masked_fraction"),
+                             np.nan)
+    return {"mismatch/logprob_abs_mean": gap.mean(), "mismatch/logprob_abs_max": gap.max(),
+            "mismatch/masked_fraction": masked[fresh].mean()}
 
 
 def _assert_metrics_close(metrics, expected):
@@ -143,6 +160,8 @@ def loss_and_grad():
         "ppo_clip": functools.partial(losses.POLICY_LOSSES["ppo_clip"], **PPO_EPS),
         "icepop": functools.partial(losses.POLICY_LOSSES["icepop"], alpha=0.5, beta=5.0, **PPO_EPS),
         "estr": functools.partial(losses.POLICY_LOSSES["estr"], tau=ESTR_TAU, eps=0.01, **PPO_EPS),
+        "ppo_clip_rollout": functools.partial(losses.POLICY_LOSSES["ppo_clip_rollout"], **PPO_EPS),
+        "pg": losses.POLICY_LOSSES["pg"],
     }
 
     def make(loss_fn):
@@ -379,6 +398,64 @@ def test_estr_drops_by_entropy_scaled_mismatch_and_clips_ratio_to_rollout_like_n
     _assert_metrics_close(metrics, np_metrics(n, ratio, dropped, clipped))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_ppo_clip_against_the_rollout_clips_the_ratio_to_mu_and_drops_nothing_like_numpy(seed, loss_and_grad):
+    x = _random_inputs(seed, padding_logp=100.0)
+    n = _np(x)
+    keep_all = np.ones_like(n["action_mask"])
+    loss_np, grad_np, dropped, clipped, ratio = np_ppo_family(n, n["rollout_logp"], keep_all, **PPO_EPS)
+    assert clipped.any() and (n["action_mask"] & ~clipped).any() and not dropped.any()
+    (loss, metrics), grad = loss_and_grad["ppo_clip_rollout"](x)
+    np.testing.assert_allclose(float(loss), loss_np, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), grad_np, rtol=1e-5, atol=1e-7)
+    _assert_metrics_close(metrics, np_metrics(n, ratio, dropped, clipped))
+
+
+def test_plain_policy_gradient_weighs_every_action_token_by_its_advantage_alone(loss_and_grad):
+    # L = −Σ Â log π_θ / N, written out token by token: however far π_θ drifted from μ (ratios up to
+    # e^2.1 here), nothing is reweighted, clipped or dropped.
+    x = _random_inputs(8, padding_logp=100.0)
+    n = _np(x)
+    total, count, grad = 0.0, 0, np.zeros_like(n["logp"])
+    for b in range(BATCH):
+        for t in range(TIME):
+            if n["action_mask"][b, t]:
+                total += n["advantages"][b, t] * n["logp"][b, t]
+                count += 1
+    for b in range(BATCH):
+        for t in range(TIME):
+            if n["action_mask"][b, t]:
+                grad[b, t] = -n["advantages"][b, t] / count
+    (loss, metrics), got = loss_and_grad["pg"](x)
+    np.testing.assert_allclose(float(loss), -total / count, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), grad, rtol=1e-5, atol=1e-8)
+    nothing = np.zeros_like(n["action_mask"])
+    _assert_metrics_close(metrics, np_metrics(n, np.exp(n["logp"] - n["rollout_logp"]), nothing, nothing))
+    assert float(metrics["masked_fraction"]) == 0.0 and float(metrics["ratio_max"]) > 2.0
+
+
+def test_mismatch_is_measured_on_fresh_action_tokens_only_and_is_nan_without_one(loss_and_grad):
+    # Two rows, three action tokens each; row 0 fresh (lag 0), row 1 stale. |log μ − log π_θ| on row 0:
+    # 0.1, 0.5, 2.0 → mean 0.8667, max 2.0; DIS (0.3, 5.0) drops ratio e^−2 < 0.7: 1 of 3 masked.
+    # Row 1's larger gaps (3.0) do not count.
+    logp = jnp.asarray([[0.0, -1.1, -0.5, -3.0], [0.0, -1.0, -1.0, -1.0]], jnp.float32)
+    rollout_logp = jnp.asarray([[0.0, -1.0, -1.0, -1.0], [0.0, -4.0, 2.0, -4.0]], jnp.float32)
+    action = jnp.asarray([[False, True, True, True]] * 2)
+    inputs = PolicyLossInputs(logp=logp, rollout_logp=rollout_logp, old_logp=logp, advantages=jnp.ones_like(logp),
+                              action_mask=action, rollout_entropy=jnp.ones_like(logp),
+                              fresh_mask=jnp.asarray([[True] * 4, [False] * 4]))  # fmt: skip
+    (_, metrics), _ = loss_and_grad["dis"](inputs)
+    np.testing.assert_allclose(float(metrics["mismatch/logprob_abs_mean"]), (0.1 + 0.5 + 2.0) / 3, rtol=1e-5)
+    np.testing.assert_allclose(float(metrics["mismatch/logprob_abs_max"]), 2.0, rtol=1e-6)
+    np.testing.assert_allclose(float(metrics["mismatch/masked_fraction"]), 1 / 3, rtol=1e-6)
+    # Over all action tokens: row 0's one and all three of row 1's (ratios e^3, e^−3, e^3).
+    np.testing.assert_allclose(float(metrics["masked_fraction"]), 4 / 6, rtol=1e-6)
+    (_, stale), _ = loss_and_grad["dis"](inputs._replace(fresh_mask=jnp.zeros_like(action)))
+    assert all(np.isnan(float(stale[k])) for k in stale if k.startswith("mismatch/"))
+    (_, all_fresh), _ = loss_and_grad["dis"](inputs._replace(fresh_mask=None))  # None: every action token
+    np.testing.assert_allclose(float(all_fresh["mismatch/logprob_abs_max"]), 3.0, rtol=1e-6)
+
+
 def test_dis_metrics_match_numpy(loss_and_grad):
     x = _random_inputs(5, padding_logp=100.0)
     n = _np(x)
@@ -402,13 +479,14 @@ def test_every_loss_jits_and_returns_the_same_metric_keys_and_finite_gradients(l
         assert np.all(np.asarray(grad)[~np.asarray(x.action_mask)] == 0.0), name
 
 
-def test_batch_without_action_tokens_gives_zero_loss_and_zero_metrics(loss_and_grad):
+def test_batch_without_action_tokens_gives_zero_loss_zero_metrics_and_no_mismatch(loss_and_grad):
     x = _random_inputs(7)
     x = x._replace(action_mask=jnp.zeros_like(x.action_mask))
     for name, fn in loss_and_grad.items():
         (loss, metrics), grad = fn(x)
         assert float(loss) == 0.0 and not np.any(np.asarray(grad)), name
-        assert all(float(v) == 0.0 for v in metrics.values()), name
+        assert all(float(v) == 0.0 for k, v in metrics.items() if not k.startswith("mismatch/")), name
+        assert all(np.isnan(float(v)) for k, v in metrics.items() if k.startswith("mismatch/")), name
 
 
 @pytest.mark.parametrize("name", ["ppo_clip", "icepop"])
@@ -418,10 +496,10 @@ def test_losses_that_need_old_logp_say_so(name):
         losses.POLICY_LOSSES[name](x)
 
 
-@pytest.mark.parametrize("name", ["dis", "estr"])
+@pytest.mark.parametrize("name", ["dis", "estr", "ppo_clip_rollout", "pg"])
 def test_losses_against_the_rollout_run_without_old_logp(name):
     x = _random_inputs(0)._replace(old_logp=None)
-    hyper = {"dis": DIS_EPS, "estr": {"tau": ESTR_TAU}}[name]
+    hyper = {"dis": DIS_EPS, "estr": {"tau": ESTR_TAU}, "ppo_clip_rollout": PPO_EPS, "pg": {}}[name]
     loss, _ = losses.POLICY_LOSSES[name](x, **hyper)
     assert np.isfinite(float(loss))
 

@@ -116,6 +116,13 @@ ROW_SETTINGS = {
     "critic/sao_pretrain0": {"critic.pretrain_rollouts": 0},
     "critic/sao_pretrain256": {"critic.pretrain_rollouts": 256},
     "critic/sao_pretrain1024": {"critic.pretrain_rollouts": 1024},
+    "offpolicy/dis": {"env.name": "chain", "loss.name": "dis", "train.mode": "sync",
+                      "rollout.policy_lag_spread": "fixed"},
+    "offpolicy/pg": {"loss.name": "pg"},
+    "offpolicy/ppo_clip": {"loss.name": "ppo_clip_rollout", "loss.eps_low": 0.2, "loss.eps_high": 0.28},
+    "offpolicy/icepop": {"loss.name": "icepop", "loss.icepop_alpha": 0.5, "loss.icepop_beta": 5.0},
+    "offpolicy/estr": {"loss.name": "estr"},
+    "offpolicy/dis_no_lag": {"loss.name": "dis", "rollout.policy_lag": 0},
 }  # fmt: skip
 
 
@@ -145,6 +152,16 @@ def test_sao_rows_are_the_default_and_paired_rows_share_everything_but_their_var
     for (a, b), differ in pairs.items():
         a, b = (flatten(plain(load_config(ABLATIONS / "repair" / f"{name}.yaml"))) for name in (a, b))
         assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == differ
+    # The off-policy suite: DIS at L = 0 is the chain suite's SAO row; every row shares the DIS row's lag
+    # L > 0 and its settings but for the policy loss (the PPO-clip row also its clip range).
+    chain = plain(load_config(ABLATIONS / "chain" / "sao.yaml"))
+    assert plain(load_config(ABLATIONS / "offpolicy" / "dis_no_lag.yaml")) == chain
+    dis = flatten(plain(load_config(ABLATIONS / "offpolicy" / "dis.yaml")))
+    assert dis["rollout.policy_lag"] > 0
+    for name, differ in {"pg": {"loss.name"}, "icepop": {"loss.name"}, "estr": {"loss.name"},
+                         "ppo_clip": {"loss.name", "loss.eps_low", "loss.eps_high"}}.items():  # fmt: skip
+        row = flatten(plain(load_config(ABLATIONS / "offpolicy" / f"{name}.yaml")))
+        assert {k for k in row if row[k] != dis[k]} == differ, name
 
 
 def test_critic_suite_rows_differ_only_in_their_variable_and_share_trajectories():
@@ -641,6 +658,28 @@ def test_quick_run_of_a_stress_suites_row_trains_and_reports(tmp_path, suite, ro
     assert any(logged in line for line in rl)
     report = reproduce.write_report(suite, tmp_path).read_text()
     assert f"`{row}.yaml` | 1 |" in report
+
+
+@pytest.mark.slow
+def test_quick_run_of_the_offpolicy_suites_no_correction_row_lags_measures_the_mismatch_and_reports(tmp_path):
+    """The off-policy suite's no-correction row end to end with the real trainer on tiny budgets: the
+    lag clamped at the warm start (staleness 0, 1, 2 over 3 steps at L = 4), the mismatch measured on
+    the lag-0 step, the diagnostics of the suite in the report."""
+    from sao_jax.train.loop import train
+
+    path = reproduce.config_file("offpolicy", "pg")
+    tiny = [o for o in TINY if not o.startswith(("env.difficulty", "rollout.max_total_tokens"))]
+    tiny += ["env.difficulty=[1,4]", "critic.warmup_steps=0"]
+    overrides = [*reproduce.quick_overrides(load_config(path, tiny), reproduce.SUITES["offpolicy"]), *tiny]
+    output_dir = reproduce.run_dir(tmp_path, "offpolicy", "pg", 0)
+    assert reproduce.run_one(path, output_dir, 0, overrides, train_fn=train) == "ran"
+    lines = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    rl = [line for line in lines if "train/reward_mean" in line]
+    assert [line["async/staleness_mean"] for line in rl] == [0, 1, 2]
+    assert rl[0]["mismatch/logprob_abs_mean"] < 1e-3 and rl[1]["mismatch/logprob_abs_mean"] is None
+    assert all(line["policy/masked_fraction"] == 0 for line in rl)  # no correction masks nothing
+    report = reproduce.write_report("offpolicy", tmp_path).read_text()
+    assert "`pg.yaml` | 1 |" in report and "masked-token entropy" in report and "mismatch masked %" in report
 
 
 def test_archived_runs_are_compressed_read_back_and_skipped_by_a_later_suite(tmp_path):

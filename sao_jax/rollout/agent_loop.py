@@ -63,7 +63,7 @@ import numbers
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
@@ -280,6 +280,7 @@ class AgentLoop:
         self._extra_stop_ids = [] if eos is None else [int(eos)]
 
     def rollout(self, weights, prompts: Iterable[Any], key: jax.Array, *, first_index: int = 0,
+                indices: Sequence[int] | None = None,
                 on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
         """One trajectory per prompt, returned in prompt order; `on_trajectory` gets each as it ends.
 
@@ -288,14 +289,17 @@ class AgentLoop:
         prompts: objects with an integer `id` (e.g. `sao_jax.envs.Prompt`), each passed to
         `env_factory` and then to `env.reset`; consumed lazily, one whenever a slot is free.
         key: the i-th prompt's trajectory samples with `fold_in(key, first_index + i)` and nothing else
-        (`first_index`: where these prompts start in a list shared out over processes).
+        (`first_index`: where these prompts start in a list shared out over processes), or with
+        `fold_in(key, indices[i])` when `indices` is given (a subset of a list, each at its place there).
         """
         todo = enumerate(prompts, start=first_index)
         finished: dict[int, Trajectory] = {}
 
         def take(block: bool):
             i, prompt = next(todo, (None, None))
-            return _NO_MORE if i is None else (prompt, jax.random.fold_in(key, i), i)
+            if i is None:
+                return _NO_MORE
+            return prompt, jax.random.fold_in(key, i if indices is None else indices[i - first_index]), i
 
         def deliver(order: int, trajectory: Trajectory) -> None:
             finished[order] = trajectory

@@ -71,6 +71,7 @@ class TrajectoryBatch:
     rollout_logprobs: Any
     rollout_entropy: Any
     policy_version: Any
+    staleness: Any  # versions between the trainer's and the one that sampled the token; 0 off actions
     rewards: Any
     turn_index: Any
     prompt_id: Any  # [batch]; -1 for padding rows
@@ -97,11 +98,13 @@ def collate(
     batch_size: int | None = None,
     buckets: Sequence[int] = DEFAULT_BUCKETS,
     pad_id: int = 0,
+    trainer_version: int | None = None,
 ) -> TrajectoryBatch:
     """Right-pad trajectories to one bucketed length and, if given, `batch_size` rows.
 
     Padding tokens are invalid, non-action, reward 0, log-prob and entropy 0, version and turn −1;
-    padding rows have `prompt_id = -1`.
+    padding rows have `prompt_id = -1`. `staleness` = `trainer_version` − `policy_version` on action
+    tokens (the version the batch is trained from; None: every token is the trainer's own, staleness 0).
     """
     if not trajectories:
         raise ValueError("collate needs at least one trajectory")
@@ -121,13 +124,18 @@ def collate(
         valid[i, : traj.num_tokens] = True
     prompt_ids = np.full((rows,), -1, np.int32)
     prompt_ids[: len(trajectories)] = [t.prompt_id for t in trajectories]
+    action_mask, policy_version = stack("action_mask", bool, False), stack("policy_version", np.int32, -1)
+    staleness = np.zeros((rows, time), np.int32)
+    if trainer_version is not None:
+        staleness = np.where(action_mask, trainer_version - policy_version, 0).astype(np.int32)
     return TrajectoryBatch(
         tokens=stack("tokens", np.int32, pad_id),
-        action_mask=stack("action_mask", bool, False),
+        action_mask=action_mask,
         valid_mask=valid,
         rollout_logprobs=stack("rollout_logprobs", np.float32, 0.0),
         rollout_entropy=stack("rollout_entropy", np.float32, 0.0),
-        policy_version=stack("policy_version", np.int32, -1),
+        policy_version=policy_version,
+        staleness=staleness,
         rewards=stack("rewards", np.float32, 0.0),
         turn_index=stack("turn_index", np.int32, -1),
         prompt_id=prompt_ids,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -20,7 +21,7 @@ from sao_jax.rollout.engine import RolloutEngine, RolloutsFailing, WeightStore
 from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
 from sao_jax.rollout.scaffold import ScaffoldLoop
 from sao_jax.rollout.trajectory import Trajectory
-from sao_jax.train.build import RL_STREAM, Run, usable
+from sao_jax.train.build import POLICY_LAG_STREAM, RL_STREAM, Run, usable
 from sao_jax.train.distributed import ProcessRollouts
 
 log = logging.getLogger(__name__)
@@ -28,15 +29,67 @@ log = logging.getLogger(__name__)
 MAX_ERROR_MESSAGES = 20  # the distinct error messages a process reports to the others each step
 
 
+class PolicyLagRing:
+    """The policy versions sync mode's lag samples with (`rollout.policy_lag` = L): host copies of the
+    weights of the versions before the current one, as far back as L.
+
+    Version v is the policy after RL step v (0: the warm start). `record(v, weights)` keeps a host copy
+    of version v and forgets the versions older than v − L; `weights(v)` is version v placed as the
+    trainer's weights are (`place`: the run's `Cluster.place` on a mesh, else onto the default device).
+    A checkpoint after step s holds the L versions s − L … s − 1, each clamped at 0 (`saved`: the
+    versions steps s + 1 … s + L may sample with, the current one s being the state's own), and a
+    resumed run starts from them (`restored`), so it samples with what the uninterrupted run did.
+    """
+
+    def __init__(self, lag: int, place: Callable[[Any], Any] = jax.device_put):
+        if jax.process_count() > 1:
+            raise ValueError("rollout.policy_lag > 0 keeps its weight versions on one host: run it as one process")
+        self.lag, self.place = lag, place
+        self.versions: dict[int, Any] = {}
+
+    def record(self, version: int, weights) -> None:
+        if version not in self.versions:
+            self.versions[version] = jax.device_get(weights)  # a copy: the next step donates the state's buffers
+        self.versions = {v: w for v, w in self.versions.items() if v >= version - self.lag}
+
+    def weights(self, version: int):
+        return self.place(self.versions[version])
+
+    def saved_versions(self, step: int) -> list[int]:
+        """The versions a checkpoint after RL step `step` holds: step − L … step − 1, clamped at 0."""
+        return [max(v, 0) for v in range(step - self.lag, step)]
+
+    def saved(self, step: int, weights) -> list[Any]:
+        """The checkpoint's part after RL step `step`; `weights`, the current version's, are read at
+        step 0 only, where every saved version is the warm start."""
+        versions = {0: jax.device_get(weights)} if step == 0 else self.versions
+        return [versions[v] for v in self.saved_versions(step)]
+
+    @classmethod
+    def restored(cls, lag: int, step: int, saved: list[Any], place: Callable[[Any], Any] = jax.device_put
+                 ) -> PolicyLagRing:  # fmt: skip
+        """The ring of a run resumed after RL step `step` from the checkpoint's part `saved`."""
+        ring = cls(lag, place)
+        ring.versions = {v: jax.device_get(w) for v, w in zip(ring.saved_versions(step), saved)}
+        return ring
+
+
 class LockstepBatches:
     """Sync mode: RL step s draws `batch_size / G` prompts with rng (seed, s) from the pool and rolls
     each out G = `advantage.group_size` times (members adjacent, each with its own key), in lockstep
     (no thread timing in the result), with the current weights. A group with an environment failure
     is dropped whole (a group baseline needs every member), as the async engine does. `errors`: every
-    failed rollout so far, by message; `step_errors`: those of the last step."""
+    failed rollout so far, by message; `step_errors`: those of the last step.
 
-    def __init__(self, run: Run, rollout_loop: AgentLoop):
-        self.run, self.rollout_loop = run, rollout_loop
+    With `rollout.policy_lag` = L > 0 (a `PolicyLagRing`), trajectory i of step s samples with the
+    weights of version max(s − 1 − ℓ_i, 0): ℓ_i = L (`policy_lag_spread: fixed`), or drawn uniformly
+    from 0..L with rng (seed, POLICY_LAG_STREAM, s) (`uniform`); each version's trajectories are one
+    rollout call, each keeping its key fold_in(key, i). Its staleness, (s − 1) − the version, is
+    logged as the async engine's is (`async/staleness_mean`, the mean over the step's trajectories).
+    """
+
+    def __init__(self, run: Run, rollout_loop: AgentLoop, ring: PolicyLagRing | None = None):
+        self.run, self.rollout_loop, self.ring = run, rollout_loop, ring
         self.errors, self.step_errors = FailureTally(), FailureTally()
 
     def next(self, step: int, weights) -> tuple[list[Trajectory], dict[str, float]]:
@@ -46,17 +99,41 @@ class LockstepBatches:
         pool = self.run.train_prompts
         prompts = [pool[j] for j in rng.integers(0, len(pool), config.train.batch_size // group) for _ in range(group)]
         key = jax.random.fold_in(jax.random.key(config.seed), step)  # the i-th rollout samples with fold_in(key, i)
-        trajectories = self.rollout_loop.rollout((weights, step - 1), prompts, key)
+        current = step - 1
+        if self.ring is None:
+            trajectories = self.rollout_loop.rollout((weights, current), prompts, key)
+        else:
+            self.ring.record(current, weights)
+            versions = np.maximum(current - self.lags(step, len(prompts)), 0)
+            trajectories = [None] * len(prompts)
+            for version in sorted(set(versions.tolist())):
+                chosen = np.flatnonzero(versions == version).tolist()
+                sampler_weights = weights if version == current else self.ring.weights(version)
+                done = self.rollout_loop.rollout((sampler_weights, version), [prompts[i] for i in chosen], key,
+                                                 indices=chosen)  # fmt: skip
+                for i, trajectory in zip(chosen, done):
+                    trajectories[i] = trajectory
         groups = [trajectories[i:i + group] for i in range(0, len(trajectories), group)]
         failed = [group - len(usable(members)[0]) for members in groups]
         self.step_errors = FailureTally(t.info["error"] for t in trajectories if t.info.get("error") is not None)
         self.errors.update(self.step_errors.counts.elements())
         kept = [t for members, f in zip(groups, failed) if not f for t in members]
         discarded = sum(group - f for f in failed if f)  # the survivors of groups that lost a member
-        return kept, {"train/env_failed": sum(failed), "train/group_members_discarded": discarded}
+        staleness = [0 if t.oldest_version < 0 else current - t.oldest_version for t in kept]  # as RolloutEngine's
+        return kept, {"train/env_failed": sum(failed), "train/group_members_discarded": discarded,
+                      "async/staleness_mean": float(np.mean(staleness)) if staleness else 0.0}  # fmt: skip
+
+    def lags(self, step: int, count: int) -> np.ndarray:
+        """Each of the step's `count` trajectories' lag ℓ_i (before the clamp at the warm start)."""
+        config = self.run.config.rollout
+        if config.policy_lag_spread == "fixed":
+            return np.full(count, config.policy_lag)
+        return np.random.default_rng([self.run.config.seed, POLICY_LAG_STREAM, step]).integers(
+            0, config.policy_lag + 1, count)
 
     def host_state(self) -> dict[str, Any]:
-        """Nothing: the prompts of step s are a function of (seed, s)."""
+        """Nothing: the prompts of step s are a function of (seed, s), and the lag's weight versions
+        are a checkpoint item of their own (`PolicyLagRing.saved`)."""
         return {}
 
     def close(self) -> None:

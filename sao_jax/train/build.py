@@ -37,7 +37,7 @@ from sao_jax.train.distributed import Cluster, ProcessRollouts
 
 # Stream ids folded into the seed so each consumer of randomness has its own stream.
 (SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM, ADVANTAGE_PROBE_STREAM,
- CRITIC_WARMUP_STREAM) = range(8)
+ CRITIC_WARMUP_STREAM, POLICY_LAG_STREAM) = range(9)
 
 
 @dataclasses.dataclass

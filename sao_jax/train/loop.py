@@ -32,7 +32,7 @@ from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
 from sao_jax.rollout.trajectory import Trajectory, collate
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.advantage_probe import AdvantageProbe
-from sao_jax.train.batches import LockstepBatches, StreamingBatches
+from sao_jax.train.batches import LockstepBatches, PolicyLagRing, StreamingBatches
 from sao_jax.train.build import Run, build_run, checkpoint_dir, make_optimizers, new_critic, policy_weights
 from sao_jax.train.evaluation import (evaluate, repair_metrics, rollout_metrics, run_summary, style_metrics,
                                      tool_metrics)
@@ -113,15 +113,21 @@ def _train(config: Config, *, resume: bool, allow_config_change: bool) -> dict[s
     steps = steps_lib.Steps(*map(cluster.step, steps_lib.build_steps(graphs, policy_tx, critic_tx, config)))
     rollout_loop, eval_loop = run.agent_loop(greedy=False), run.agent_loop(greedy=config.env.eval_greedy)
 
-    restored = (checkpointer.restore_latest(abstract_state(state), allow_config_change=allow_config_change)
-                if resume else None)  # fmt: skip
+    lag = config.rollout.policy_lag
+    # The lag's weight versions: each shaped as the sampler's weights.
+    abstract_lagged = [abstract_state(policy_weights(state, graphs))] * lag if lag else None
+    restored = (checkpointer.restore_latest(abstract_state(state), allow_config_change=allow_config_change,
+                                            abstract_lagged_policy=abstract_lagged) if resume else None)  # fmt: skip
     if restored is not None and restored.step > config.train.steps:
         raise ResumeError(f"the run in {checkpointer.directory} has reached step {restored.step}, past "
                           f"train.steps={config.train.steps}: raise train.steps to train it further, or evaluate it "
                           "with sao-eval")  # fmt: skip
+    ring = None
     if restored is not None:
         checkpointer.set_aside(restored.unreadable)
         start_step, state, host = restored.step, restored.state, restored.host
+        if lag:
+            ring = PolicyLagRing.restored(lag, start_step, restored.lagged_policy, place_weights(cluster))
         truncate_after(metrics_file, start_step)
         log.info("resumed from step %d of %s", start_step, checkpointer.directory)
     else:
@@ -131,6 +137,7 @@ def _train(config: Config, *, resume: bool, allow_config_change: bool) -> dict[s
                 if previous.exists():
                     previous.rename(free_name(previous, "previous"))
         start_step, host = 0, {}
+        ring = PolicyLagRing(lag, place_weights(cluster)) if lag else None
     if primary:
         record_config(out, config, start_step)
 
@@ -148,10 +155,10 @@ def _train(config: Config, *, resume: bool, allow_config_change: bool) -> dict[s
             state = run_critic_warmup(run, state, graphs, steps.critic_warmup_step, rollout_loop, writer)
             writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
             writer.flush()
-            checkpointer.save(0, state, {"step": 0})
+            checkpointer.save(0, state, {"step": 0}, lagged_policy=lagged_policy(ring, 0, state, graphs))
         try:
             summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step,
-                              host)  # fmt: skip
+                              host, ring)  # fmt: skip
         except DeadEnvironmentError as error:  # keep what was trained: the saves finish, metrics and plots are written
             summary, stopped = None, error
         else:
@@ -179,6 +186,17 @@ def record_config(out: Path, config: Config, start_step: int) -> None:
         path.write_text(text)
 
 
+def place_weights(cluster):
+    """Where the lag's weight versions go to sample: the run's mesh, as the trainer's weights, or the
+    default device."""
+    return jax.device_put if cluster.mesh is None else cluster.place
+
+
+def lagged_policy(ring: PolicyLagRing | None, step: int, state, graphs):
+    """The checkpoint's `lagged_policy` item after RL step `step` (None without a lag)."""
+    return None if ring is None else ring.saved(step, policy_weights(state, graphs))
+
+
 def rl_schedule(config: Config, step: int) -> tuple[bool, bool]:
     """What RL step `step` (1-based) does after its update: (evaluate, checkpoint)."""
     train_cfg = config.train
@@ -187,14 +205,14 @@ def rl_schedule(config: Config, step: int) -> tuple[bool, bool]:
 
 
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int,
-            host: dict[str, Any]):  # fmt: skip
+            host: dict[str, Any], ring: PolicyLagRing | None = None):  # fmt: skip
     config = run.config
     train_cfg = config.train
     base_key = jax.random.key(config.seed)
     last_eval = None
     weights = policy_weights(state, graphs)
     source = (StreamingBatches(run, rollout_loop, weights, start_step, host) if train_cfg.mode == "async"
-              else LockstepBatches(run, rollout_loop))  # fmt: skip
+              else LockstepBatches(run, rollout_loop, ring))  # fmt: skip
     reads_reference = ADVANTAGE_ESTIMATORS[config.advantage.estimator].reference
     schedule = run.env_kwargs.get("schedule")  # style_shift's target-style schedule, moved per step
     probe = AdvantageProbe(run, graphs) if train_cfg.probe_every else None
@@ -224,7 +242,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
                         f"{without_data.total} rollouts, {without_data.describe()}")  # fmt: skip
                 continue
             streak, without_data = 0, FailureTally()
-            batch = collate(kept, batch_size=train_cfg.batch_size, buckets=run.buckets)
+            batch = collate(kept, batch_size=train_cfg.batch_size, buckets=run.buckets, trainer_version=step - 1)
             steps_lib.check_whole_groups(batch.prompt_id, config.advantage.group_size)
             if reads_reference:
                 batch = steps_lib.trace_batch(batch, [gold_tokens(t) for t in kept])
@@ -247,7 +265,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
                             eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
             if checkpoints:
                 writer.flush()
-                checkpointer.save(step, state, {"step": step, **source.host_state()})
+                checkpointer.save(step, state, {"step": step, **source.host_state()},
+                                  lagged_policy=lagged_policy(ring, step, state, graphs))  # fmt: skip
     finally:
         source.close()
     if source.errors.total and run.cluster.is_primary:  # counted as they came, summed up once

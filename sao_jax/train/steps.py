@@ -492,6 +492,7 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
                 advantages=jax.lax.stop_gradient(advantages),
                 action_mask=batch.action_mask,
                 rollout_entropy=batch.rollout_entropy,
+                fresh_mask=batch.staleness == 0,
             )
             loss, metrics = policy_loss(inputs)
             total = loss + aux_coef * aux_loss
@@ -513,7 +514,8 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
             **extra,
         }
         state = state.replace(policy_params=params, policy_opt_state=opt_state, baseline=baseline)
-        return state, ({f"policy/{k}": v for k, v in metrics.items()} | baseline_metrics
+        return state, ({k if k.startswith("mismatch/") else f"policy/{k}": v for k, v in metrics.items()}
+                       | baseline_metrics
                        | {f"critic/after_updates/{k}": v for k, v in critic_fit.items()})  # fmt: skip
 
     return policy_update
@@ -526,6 +528,8 @@ def _bind_policy_loss(loss_cfg) -> Callable[[losses.PolicyLossInputs], tuple[jax
     hyper = {
         "dis": clip,
         "ppo_clip": clip,
+        "ppo_clip_rollout": clip,
+        "pg": {},
         "icepop": {**clip, "alpha": loss_cfg.icepop_alpha, "beta": loss_cfg.icepop_beta},
         "estr": {**clip, "tau": loss_cfg.estr_tau, "eps": loss_cfg.estr_eps},
     }[loss_cfg.name]

@@ -48,6 +48,8 @@ def sft_cache_key(config: Config) -> str:
     """Hash of every setting the warm start depends on (not `sft.cache_dir` itself)."""
     parts = {name: to_dict(getattr(config, name)) for name in ("model", "env", "sft", "rollout", "mesh")}
     parts["sft"].pop("cache_dir")
+    for name in ("policy_lag", "policy_lag_spread"):  # RL's sampling only: the rows of any lag share one
+        parts["rollout"].pop(name)
     parts["seed"] = config.seed
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 

@@ -198,7 +198,8 @@ def test_lockstep_batches_roll_out_whole_groups_and_drop_a_group_with_a_failure(
     drawn = np.random.default_rng([run.config.seed, build.RL_STREAM, 5]).integers(0, 10, 3)
     assert prompts == [int(j) for j in drawn for _ in range(3)]
     assert [t.prompt_id for t in kept] == [prompts[i] for i in (0, 1, 2, 6, 7, 8)]
-    assert metrics == {"train/env_failed": 1, "train/group_members_discarded": 2}
+    # The fake trajectories say version 0 sampled them; the trainer is at version 4 before step 5.
+    assert metrics == {"train/env_failed": 1, "train/group_members_discarded": 2, "async/staleness_mean": 4.0}
 
 
 def test_lockstep_batches_with_groups_of_one_draw_the_same_prompts_as_before():
