@@ -216,6 +216,7 @@ ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "critic.pretrain_epochs": "value pretraining's epochs (run_value_pretraining): tests/train/test_multiprocess.py",
     "train.batch_size": "the rows each batch source collates (rl_loop): tests/train/test_groups_trace.py",
     "train.keep_checkpoints": "the Checkpointer's retention (train): tests/test_checkpoint.py",
+    "train.signal_grace_s": "the bound on a stop after a signal (train.signals): tests/train/test_faults.py",
     "train.max_staleness": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
     "train.queue_capacity": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
     **{f"train.probe_{name}": "the advantage probe (train.advantage_probe): tests/train/test_advantage_probe.py"

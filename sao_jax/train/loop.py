@@ -6,6 +6,12 @@ jitted steps (`sao_jax.train.steps`), and does the side effects — logging, che
 Determinism (train.mode = "sync"): the prompts of RL step s and every PRNG key are functions of
 (seed, s), and the agent loop runs in lockstep, so a run resumed from the checkpoint of step s
 writes the same metrics as the uninterrupted run.
+
+Faults while it runs (`sao_jax.train.signals`): SIGTERM or SIGINT stops the run after the step in
+hand, saved (`Interrupted`); a checkpoint that fails to save stops it at the end of the step during
+which the failure became known (`CheckpointSaveError`), with the summary and plots of the steps
+trained and every earlier checkpoint kept. Every process of a multi-process run stops after the same
+step.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from tqdm.auto import tqdm
 
 from sao_jax import models
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
-from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
+from sao_jax.checkpoint import CheckpointSaveError, Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, to_dict
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.outputs import OutputMirror, check_writable, free_name, is_url
@@ -35,6 +41,7 @@ from sao_jax.train.batches import LockstepBatches, StreamingBatches
 from sao_jax.train.build import INIT_STREAM, Run, build_run, checkpoint_dir, make_optimizers, policy_weights
 from sao_jax.train.evaluation import (evaluate, repair_metrics, rollout_metrics, run_summary, style_metrics,
                                      tool_metrics)
+from sao_jax.train.signals import Interrupted, StopRequests
 from sao_jax.train.warm_start import run_sft, run_value_pretraining
 
 log = logging.getLogger(__name__)
@@ -47,7 +54,15 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
     `resume`: continue from the newest readable checkpoint, or start from the beginning when there is
     none (keeping a previous attempt's metrics.jsonl and tensorboard/ aside as `*.previous*`). Without
     it, a folder that already holds a run is a `ResumeError`, as is a checkpoint saved under another
-    config (`checkpoint.config_changes`) unless `allow_config_change`."""
+    config (`checkpoint.config_changes`) unless `allow_config_change`.
+
+    SIGTERM or SIGINT (in the main thread) raises `Interrupted` once the step in hand is saved, a save
+    that fails `CheckpointSaveError` (module docstring)."""
+    with StopRequests(config.train.signal_grace_s) as stops:
+        return _train(config, stops, resume=resume, allow_config_change=allow_config_change)
+
+
+def _train(config: Config, stops: StopRequests, *, resume: bool, allow_config_change: bool) -> dict[str, Any]:
     check_writable(config.output_dir, "output_dir")
     if config.train.checkpoint_dir is not None:
         check_writable(config.train.checkpoint_dir, "train.checkpoint_dir")
@@ -98,26 +113,44 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
 
     wandb_project = config.train.wandb_project if config.train.wandb and cluster.is_primary else None
     purge_step = None if restored is None else start_step + 1  # TensorBoard drops the killed run's later events
-    with MetricsWriter(metrics_dir, tensorboard=cluster.is_primary, wandb_project=wandb_project,
-                       config=to_dict(config), purge_step=purge_step) as writer:  # fmt: skip
-        if restored is None:
-            state = cluster.place(steps_lib.freeze_reference(state.replace(policy_params=run_sft(run, writer))))
-            # The critic starts from the warm-started policy (SAO initialises V from the policy).
-            sft_policy = nnx.merge(graphs.policy, state.policy_params, state.policy_buffers)
-            critic = models.Critic.from_policy(sft_policy, rngs=nnx.Rngs(config.seed + INIT_STREAM))
-            state = cluster.place(state.replace(critic_params=steps_lib.split_model(critic)[1]))
-            state = run_value_pretraining(run, state, graphs, rollout_loop, critic_tx, writer)
-            writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
-            writer.flush()
-            checkpointer.save(0, state, {"step": 0})
-        summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step, host)
+    try:
+        with MetricsWriter(metrics_dir, tensorboard=cluster.is_primary, wandb_project=wandb_project,
+                           config=to_dict(config), purge_step=purge_step) as writer:  # fmt: skip
+            if restored is None:
+                params = run_sft(run, writer, stops=stops)
+                state = cluster.place(steps_lib.freeze_reference(state.replace(policy_params=params)))
+                # The critic starts from the warm-started policy (SAO initialises V from the policy).
+                sft_policy = nnx.merge(graphs.policy, state.policy_params, state.policy_buffers)
+                critic = models.Critic.from_policy(sft_policy, rngs=nnx.Rngs(config.seed + INIT_STREAM))
+                state = cluster.place(state.replace(critic_params=steps_lib.split_model(critic)[1]))
+                state = run_value_pretraining(run, state, graphs, rollout_loop, critic_tx, writer, stops=stops)
+                writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
+                end_step(0, state, {}, writer, checkpointer, stops, save=True)
+            summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step,
+                              host, stops)  # fmt: skip
+    except CheckpointSaveError:
+        # What was trained stays readable: the summary and plots of the steps written so far.
+        if cluster.is_primary:
+            lines = read_metrics(metrics_file)
+            trained = max((line["step"] for line in lines), default=0)
+            write_results(out, run_summary(lines, num_eval_prompts=len(run.eval_prompts), steps=trained))
+        raise
+    except Interrupted:
+        if mirror is not None:
+            mirror.push()
+        raise
     checkpointer.close()
     if cluster.is_primary:
-        plot_run(out)
-        (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_results(out, summary)
     if mirror is not None:
         mirror.push()
     return summary
+
+
+def write_results(out: Path, summary: dict[str, Any]) -> None:
+    """`plots/*.png` and `summary.json` in `out`."""
+    plot_run(out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def record_config(out: Path, config: Config, start_step: int) -> None:
@@ -139,8 +172,28 @@ def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
             step % train_cfg.checkpoint_every == 0 or last)  # fmt: skip
 
 
+def end_step(step: int, state, host: dict[str, Any], writer: MetricsWriter, checkpointer: Checkpointer,
+             stops: StopRequests, *, save: bool) -> None:
+    """After step `step`'s metric line: raise the failure of an earlier save (`CheckpointSaveError`),
+    or save `state` (with `host`, the batch source's stream position) when `save` or a stop is asked
+    for, and on a stop raise `Interrupted` once that save is complete. Every process decides alike
+    (`StopRequests.agreed`)."""
+    failure = checkpointer.failure()
+    stop, failed = stops.agreed(failure)
+    if failed:
+        raise failure or CheckpointSaveError(None, checkpointer.directory, "the save failed on another process")
+    if save or stop:
+        writer.flush()
+        checkpointer.save(step, state, {"step": step, **host})
+    if stop:
+        checkpointer.wait()
+        raise Interrupted(stops.signum, step)
+
+
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int,
-            host: dict[str, Any]):  # fmt: skip
+            host: dict[str, Any], stops: StopRequests):  # fmt: skip
+    """RL steps `start_step` + 1 … `train.steps`; returns the run's summary. Each step ends in
+    `end_step`."""
     config = run.config
     train_cfg = config.train
     base_key = jax.random.key(config.seed)
@@ -158,8 +211,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
         prompt = run.train_prompts[trajectory.prompt_id]
         return run.tokenizer.encode(run.demonstration(prompt)[-1])
 
+    bar = tqdm(range(start_step + 1, train_cfg.steps + 1), desc="rl", initial=start_step, total=train_cfg.steps)
     try:
-        bar = tqdm(range(start_step + 1, train_cfg.steps + 1), desc="rl", initial=start_step, total=train_cfg.steps)
         for step in bar:
             started = time.perf_counter()
             if schedule is not None:
@@ -167,6 +220,7 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             kept, source_metrics = source.next(step, policy_weights(state, graphs))
             if not kept:
                 writer.write(step, {**source_metrics, "train/skipped_no_data": 1})
+                end_step(step, state, source.host_state(), writer, checkpointer, stops, save=False)
                 continue
             batch = collate(kept, batch_size=train_cfg.batch_size, buckets=run.buckets)
             steps_lib.check_whole_groups(batch.prompt_id, config.advantage.group_size)
@@ -191,10 +245,14 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             written = writer.write(step, line)
             bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
                             eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
-            if checkpoints:
-                writer.flush()
-                checkpointer.save(step, state, {"step": step, **source.host_state()})
-    finally:
+            end_step(step, state, source.host_state(), writer, checkpointer, stops, save=checkpoints)
+    except Interrupted as interrupted:
+        bar.close()
+        interrupted.dropped_prompts = source.close()
+        raise
+    except BaseException:
         source.close()
+        raise
+    source.close()
     checkpointer.wait()
     return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts), steps=train_cfg.steps)

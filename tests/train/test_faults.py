@@ -253,3 +253,89 @@ def test_async_resume_continues_the_prompt_stream(finished, tmp_path):
     redone = [index for entry in second[1:] for index in entry["batch"]]  # steps step+1..6
     assert len(trained) == 4 * step and len(redone) == 4 * (6 - step)
     assert second[0]["start"] > max(trained) and min(redone) >= second[0]["start"]
+
+
+def digests(out, step):
+    """The per-array checksums saved with checkpoint `step` (`checkpoint.checksums`)."""
+    return json.loads((out / "checkpoints" / str(step) / "digest" / "metadata").read_text())
+
+
+def signal_when(output_dir, env, signum, ready, *extra):
+    """`--resume` sent `signum` as soon as `ready()` holds; (exit status, stderr, seconds from the signal
+    to the exit)."""
+    # SIGINT ignored by whatever started pytest stays ignored in a child: the test gives it its default.
+    process = subprocess.Popen(command(output_dir, "--resume", *extra), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+    deadline = time.monotonic() + 300
+    while not ready() and process.poll() is None:
+        assert time.monotonic() < deadline, "run did not progress"
+        time.sleep(0.02)
+    sent = time.monotonic()
+    process.send_signal(signum)
+    try:
+        _, stderr = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        pytest.fail(f"the run did not stop within 120 s of {signal.Signals(signum).name}")
+    return process.returncode, stderr, time.monotonic() - sent
+
+
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_saves_the_step_in_hand_and_resume_ends_as_the_uninterrupted_run(finished, tmp_path, signum, status):
+    """SIGTERM or SIGINT between two checkpoints (3 and 6): the step in hand is saved, the run says so in
+    one line and exits 128 + the signal; `--resume` from there writes the uninterrupted run's metrics
+    and final checkpoint."""
+    out = copy_of(finished, tmp_path, rewind_to=3)
+    env = finished[1]
+    at_checkpoint = count_lines(out / "metrics.jsonl")
+    returncode, stderr, _ = signal_when(out, env, signum, lambda: count_lines(out / "metrics.jsonl") > at_checkpoint)
+    stopped_at = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert returncode == status and "Traceback" not in stderr, stderr[-3000:]
+    name = signal.Signals(signum).name
+    said = [line for line in messages(stderr) if not line.startswith("INFO ")]
+    assert said == [f"interrupted by {name} at step {stopped_at}; saved; resume with --resume"], said
+    assert 3 < stopped_at and (out / "checkpoints" / str(stopped_at)).is_dir()
+    done = run(out, env, "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from step {stopped_at}" in done.stderr
+    assert algorithm_metrics(out / "metrics.jsonl") == algorithm_metrics(finished[0] / "metrics.jsonl")
+    assert digests(out, 6) == digests(finished[0], 6)
+
+
+# `sao-train` whose checkpoint writes fail with ENOSPC ("No space left on device") from step 3 on, in
+# Orbax's background commit, where a full disk makes them fail.
+FULL_DISK_TRAINER = """
+import errno, os
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as json_handler
+from sao_jax.cli import main
+
+written = json_handler.JsonCheckpointHandler._save_fn
+
+async def full_disk(self, x, directory):
+    if int(directory.parent.name.split(".")[0]) >= 3:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    return await written(self, x, directory)
+
+json_handler.JsonCheckpointHandler._save_fn = full_disk
+raise SystemExit(main())
+"""
+
+
+def test_a_failed_save_stops_the_run_at_once_in_one_line_keeping_what_was_trained(finished, tmp_path):
+    out = copy_of(finished, tmp_path, rewind_to=0)
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "plots")
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_TRAINER, f"output_dir={out}", *FAULT_RUN, "--resume"],
+                          env=finished[1], capture_output=True, text=True, timeout=600)  # fmt: skip
+    said = messages(done.stderr)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in said if line.startswith("error:")]
+    assert errors == [f"error: checkpoint step 3 could not be saved in {out / 'checkpoints'}: No space left on device "
+                      "(the earlier checkpoints are kept: --resume continues from the newest)"], said  # fmt: skip
+    trained = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert 3 < trained < 6, "the failure was known only at the next checkpoint"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["0"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == trained and summary["eval_success_start"] is not None
+    assert any((out / "plots").glob("*.png"))
