@@ -2,6 +2,7 @@
 under a changed config, on one tiny run finished once (module fixture) and copied per case."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -199,17 +200,14 @@ def test_sao_eval_without_a_readable_checkpoint_is_one_line(finished, tmp_path):
     assert messages(done.stderr)[-1].startswith(f"error: no readable checkpoint in {out / 'checkpoints'}")
 
 
-# `train(..., resume=True)` with the rollout engine recording, one JSON line each, its start index and
+# `sao-train --resume` with the rollout engine recording, one JSON line each, its start index and
 # the prompt indices of every batch it hands out.
 RECORDING_TRAINER = """
-import json, logging, sys
+import json, sys
 import sao_jax.rollout.engine as engine_lib
 import sao_jax.train.batches as batches
-import sao_jax.train.loop as loop_lib
-from sao_jax.config import load_config
+from sao_jax.cli import main
 
-logging.basicConfig(level=logging.WARNING)
-logging.getLogger("sao_jax").setLevel(logging.INFO)
 record = open(sys.argv[1], "a")
 
 class Recorded(engine_lib.RolloutEngine):
@@ -223,17 +221,22 @@ class Recorded(engine_lib.RolloutEngine):
         return batch
 
 batches.RolloutEngine = Recorded  # the name StreamingBatches looks up
-loop_lib.train(load_config(None, sys.argv[2:]), resume=True)
+raise SystemExit(main([*sys.argv[2:], "--resume"]))
 """
+
+
+def recording_trainer(out, record, *extra):
+    """The command of a tiny async run in `out` with the RECORDING_TRAINER writing to `record`."""
+    overrides = [f"output_dir={out}", *TINY_RUN, "train.mode=async", "sft.steps=0", "critic.pretrain_rollouts=0",
+                 "train.steps=6", "train.eval_every=6", "train.queue_capacity=4", *extra]  # fmt: skip
+    return [sys.executable, "-c", RECORDING_TRAINER, str(record), *overrides]
 
 
 def test_async_resume_continues_the_prompt_stream(finished, tmp_path):
     """kill -9 after a checkpoint: the resumed engine starts where the interrupted one stood, above
     every prompt index trained on before the checkpoint, and trains on none of those again."""
     out, record = tmp_path / "run", tmp_path / "record.jsonl"
-    overrides = [f"output_dir={out}", *TINY_RUN, "train.mode=async", "sft.steps=0", "critic.pretrain_rollouts=0",
-                 "train.steps=6", "train.checkpoint_every=2", "train.eval_every=6", "train.queue_capacity=4"]  # fmt: skip
-    trainer = [sys.executable, "-c", RECORDING_TRAINER, str(record), *overrides]
+    trainer = recording_trainer(out, record, "train.checkpoint_every=2")
     interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not ((out / "checkpoints" / "2").is_dir() and count_lines(out / "metrics.jsonl") >= 4):  # 0, 1, 2, 3
@@ -339,3 +342,34 @@ def test_a_failed_save_stops_the_run_at_once_in_one_line_keeping_what_was_traine
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == trained and summary["eval_success_start"] is not None
     assert any((out / "plots").glob("*.png"))
+
+
+def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_stream(finished, tmp_path):
+    """SIGTERM in async mode, with no checkpoint due before the end: the step in hand is saved with the
+    stream's position, the prompts in flight are counted in the one line, and the resumed engine starts
+    at that position, trains on none of the prompts trained on before, and ends the run."""
+    out, record = tmp_path / "run", tmp_path / "record.jsonl"
+    trainer = recording_trainer(out, record, "train.checkpoint_every=6")
+    interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while count_lines(out / "metrics.jsonl") < 3:  # steps 0, 1, 2
+        assert interrupted.poll() is None and time.monotonic() < deadline, "run did not reach step 2"
+        time.sleep(0.02)
+    interrupted.send_signal(signal.SIGTERM)
+    _, stderr = interrupted.communicate(timeout=120)
+    assert interrupted.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in messages(stderr) if not line.startswith("INFO ")]
+    step = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert len(said) == 1 and re.fullmatch(rf"interrupted by SIGTERM at step {step}; saved"
+                                           r"(; \d+ prompts in flight dropped)?; resume with --resume", said[0]), said
+    position = json.loads((out / "checkpoints" / str(step) / "host" / "metadata").read_text())["prompt_index"]
+    lines = record.read_text().splitlines()
+    resumed = subprocess.run(trainer, env=finished[1], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first = [json.loads(line) for line in lines]
+    second = [json.loads(line) for line in record.read_text().splitlines()[len(lines):]]
+    trained = [index for entry in first[1:step + 1] for index in entry["batch"]]  # steps 1..step
+    assert second[0] == {"start": position[0]} and position[0] > max(trained)
+    redone = [index for entry in second[1:] for index in entry["batch"]]  # steps step+1..6
+    assert len(redone) == 4 * (6 - step) and min(redone) >= position[0]
+    assert [line["step"] for line in algorithm_metrics(out / "metrics.jsonl")] == list(range(7))
