@@ -58,7 +58,7 @@ class Interrupted(Exception):
         name = signal.Signals(self.signum).name
         if self.step is None:
             return f"interrupted by {name} during {self.stage}, before the first checkpoint; --resume starts from the beginning"
-        dropped = f"; {self.dropped_prompts} prompts in flight dropped" if self.dropped_prompts else ""
+        dropped = f"; {self.dropped_prompts} prompts queued or in flight dropped" if self.dropped_prompts else ""
         return f"interrupted by {name} at step {self.step}; saved{dropped}; resume with --resume"
 
 
