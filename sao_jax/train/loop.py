@@ -16,6 +16,7 @@ step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -129,11 +130,13 @@ def _train(config: Config, stops: StopRequests, *, resume: bool, allow_config_ch
             summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step,
                               host, stops)  # fmt: skip
     except CheckpointSaveError:
-        # What was trained stays readable: the summary and plots of the steps written so far.
+        # What was trained stays readable: the summary and plots of the steps written so far (unless
+        # output_dir's disk is the full one: the error says so already).
         if cluster.is_primary:
             lines = read_metrics(metrics_file)
             trained = max((line["step"] for line in lines), default=0)
-            write_results(out, run_summary(lines, num_eval_prompts=len(run.eval_prompts), steps=trained))
+            with contextlib.suppress(OSError):
+                write_results(out, run_summary(lines, num_eval_prompts=len(run.eval_prompts), steps=trained))
         raise
     except Interrupted:
         if mirror is not None:

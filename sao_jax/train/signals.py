@@ -43,7 +43,7 @@ def exit_status(signum: int) -> int:
     return 128 + signum
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Interrupted(Exception):
     """The run stopped on a signal. `step`: the RL step saved last (None: stopped before the first
     checkpoint, in `stage`); `dropped_prompts`: async mode's prompts in flight or finished but not yet
