@@ -57,7 +57,8 @@ class Interrupted(Exception):
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
         if self.step is None:
-            return f"interrupted by {name} during {self.stage}, before the first checkpoint; --resume starts from the beginning"
+            return (f"interrupted by {name} during {self.stage}, before the first checkpoint; --resume starts from "
+                    "the beginning")
         dropped = f"; {self.dropped_prompts} prompts queued or in flight dropped" if self.dropped_prompts else ""
         return f"interrupted by {name} at step {self.step}; saved{dropped}; resume with --resume"
 
@@ -103,7 +104,8 @@ class StopRequests:
     def _expire(self) -> None:
         name = signal.Signals(self.signum).name
         print(f"interrupted by {name}: the stop took longer than train.signal_grace_s={self.grace_s:g} s; exiting "
-              "without waiting further; --resume continues from the newest checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+              "without waiting further; --resume continues from the newest checkpoint",
+              file=sys.stderr, flush=True)  # fmt: skip
         os._exit(exit_status(self.signum))
 
     def agreed(self, save_failure: BaseException | None = None) -> tuple[bool, bool]:

@@ -119,7 +119,7 @@ def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: l
             if reached:
                 break
             if stops is not None and stops.agreed()[0]:
-                raise Interrupted(stops.signum, None, "sft")
+                raise Interrupted(stops.signum, None, "SFT")
     if not reached and sft_cfg.target_demonstration_probability > 0:
         log.warning("sft: the warm start did not reach sft.target_demonstration_probability=%s within sft.steps=%d",
                     sft_cfg.target_demonstration_probability, sft_cfg.steps)

@@ -350,7 +350,8 @@ def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_
     at that position, trains on none of the prompts trained on before, and ends the run."""
     out, record = tmp_path / "run", tmp_path / "record.jsonl"
     trainer = recording_trainer(out, record, "train.checkpoint_every=6")
-    interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                   text=True)  # fmt: skip
     deadline = time.monotonic() + 300
     while count_lines(out / "metrics.jsonl") < 3:  # steps 0, 1, 2
         assert interrupted.poll() is None and time.monotonic() < deadline, "run did not reach step 2"
@@ -360,8 +361,8 @@ def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_
     assert interrupted.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
     said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
     step = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
-    assert len(said) == 1 and re.fullmatch(rf"interrupted by SIGTERM at step {step}; saved"
-                                           r"(; \d+ prompts queued or in flight dropped)?; resume with --resume", said[0]), said
+    line = rf"interrupted by SIGTERM at step {step}; saved(; \d+ prompts queued or in flight dropped)?; resume with --resume"
+    assert len(said) == 1 and re.fullmatch(line, said[0]), said
     position = json.loads((out / "checkpoints" / str(step) / "host" / "metadata").read_text())["prompt_index"]
     lines = record.read_text().splitlines()
     resumed = subprocess.run(trainer, env=finished[1], capture_output=True, text=True, timeout=600)
@@ -373,3 +374,13 @@ def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_
     redone = [index for entry in second[1:] for index in entry["batch"]]  # steps step+1..6
     assert len(redone) == 4 * (6 - step) and min(redone) >= position[0]
     assert [line["step"] for line in algorithm_metrics(out / "metrics.jsonl")] == list(range(7))
+
+
+def test_a_signal_during_sft_stops_in_one_line_leaving_a_folder_resume_starts_over(finished, tmp_path):
+    out = tmp_path / "run"
+    returncode, stderr, _ = signal_when(out, finished[1], signal.SIGTERM, lambda: count_lines(out / "metrics.jsonl") >= 1)
+    assert returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
+    assert said == ["interrupted by SIGTERM during SFT, before the first checkpoint; --resume starts from the beginning"]
+    assert {line.get("stage") for line in algorithm_metrics(out / "metrics.jsonl")} == {"sft"}
+    assert not any(p.name[0].isdigit() for p in (out / "checkpoints").iterdir())  # `--resume` starts over (fixture)
