@@ -264,46 +264,55 @@ def digests(out, step):
 
 
 def signal_when(output_dir, env, signum, ready, *extra):
-    """`--resume` sent `signum` as soon as `ready()` holds; (exit status, stderr, seconds from the signal
-    to the exit)."""
-    # SIGINT ignored by whatever started pytest stays ignored in a child: the test gives it its default.
-    process = subprocess.Popen(command(output_dir, "--resume", *extra), env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not ready() and process.poll() is None:
-        assert time.monotonic() < deadline, "run did not progress"
-        time.sleep(0.02)
-    sent = time.monotonic()
-    process.send_signal(signum)
-    try:
-        _, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        pytest.fail(f"the run did not stop within 120 s of {signal.Signals(signum).name}")
-    return process.returncode, stderr, time.monotonic() - sent
+    """`--resume` sent `signum` as soon as `ready()` holds; (exit status, stderr)."""
+    log = output_dir.parent / f"{output_dir.name}.{time.monotonic_ns()}.stderr"
+    with log.open("w") as stderr:
+        # SIGINT ignored by whatever started pytest stays ignored in a child: the test gives it its default.
+        process = subprocess.Popen(command(output_dir, "--resume", *extra), env=env, stdout=subprocess.DEVNULL,
+                                   stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not ready() and process.poll() is None:
+            assert time.monotonic() < deadline, "run did not progress"
+            time.sleep(0.02)
+        process.send_signal(signum)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"the run did not stop within 120 s of {signal.Signals(signum).name}")
+    return process.returncode, log.read_text()
 
 
-@pytest.mark.parametrize(("signum", "status"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_saves_the_step_in_hand_and_resume_ends_as_the_uninterrupted_run(finished, tmp_path, signum, status):
-    """SIGTERM or SIGINT between two checkpoints (3 and 6): the step in hand is saved, the run says so in
-    one line and exits 128 + the signal; `--resume` from there writes the uninterrupted run's metrics
-    and final checkpoint."""
+def stop_between_checkpoints(finished, tmp_path, signum):
+    """A copy of the finished run rewound to checkpoint 3, resumed and sent `signum` once step 4 is
+    written; checks the stop (one line, exit 128 + the signal, the step in hand saved) and returns
+    (folder, the step it stopped at)."""
     out = copy_of(finished, tmp_path, rewind_to=3)
-    env = finished[1]
     at_checkpoint = count_lines(out / "metrics.jsonl")
-    returncode, stderr, _ = signal_when(out, env, signum, lambda: count_lines(out / "metrics.jsonl") > at_checkpoint)
+    step_4_written = lambda: count_lines(out / "metrics.jsonl") > at_checkpoint  # noqa: E731
+    returncode, stderr = signal_when(out, finished[1], signum, step_4_written)
     stopped_at = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
-    assert returncode == status and "Traceback" not in stderr, stderr[-3000:]
-    name = signal.Signals(signum).name
+    assert returncode == 128 + signum and "Traceback" not in stderr, stderr[-3000:]
     said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
+    name = signal.Signals(signum).name
     assert said == [f"interrupted by {name} at step {stopped_at}; saved; resume with --resume"], said
     assert 3 < stopped_at and (out / "checkpoints" / str(stopped_at)).is_dir()
-    done = run(out, env, "--resume")
+    return out, stopped_at
+
+
+def test_sigterm_saves_the_step_in_hand_and_resume_ends_as_the_uninterrupted_run(finished, tmp_path):
+    """SIGTERM between two checkpoints (3 and 6): `--resume` from the step saved on the way out writes
+    the uninterrupted run's metrics and final checkpoint."""
+    out, stopped_at = stop_between_checkpoints(finished, tmp_path, signal.SIGTERM)
+    done = run(out, finished[1], "--resume")
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"resumed from step {stopped_at}" in done.stderr
     assert algorithm_metrics(out / "metrics.jsonl") == algorithm_metrics(finished[0] / "metrics.jsonl")
     assert digests(out, 6) == digests(finished[0], 6)
+
+
+def test_ctrl_c_saves_the_step_in_hand_in_one_line_without_a_traceback(finished, tmp_path):
+    stop_between_checkpoints(finished, tmp_path, signal.SIGINT)
 
 
 # `sao-train` whose checkpoint writes fail with ENOSPC ("No space left on device") from step 3 on, in
@@ -350,14 +359,16 @@ def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_
     at that position, trains on none of the prompts trained on before, and ends the run."""
     out, record = tmp_path / "run", tmp_path / "record.jsonl"
     trainer = recording_trainer(out, record, "train.checkpoint_every=6")
-    interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                   text=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while count_lines(out / "metrics.jsonl") < 3:  # steps 0, 1, 2
-        assert interrupted.poll() is None and time.monotonic() < deadline, "run did not reach step 2"
-        time.sleep(0.02)
-    interrupted.send_signal(signal.SIGTERM)
-    _, stderr = interrupted.communicate(timeout=120)
+    log = tmp_path / "interrupted.stderr"
+    with log.open("w") as stderr:
+        interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + 300
+        while count_lines(out / "metrics.jsonl") < 3:  # steps 0, 1, 2
+            assert interrupted.poll() is None and time.monotonic() < deadline, "run did not reach step 2"
+            time.sleep(0.02)
+        interrupted.send_signal(signal.SIGTERM)
+        interrupted.wait(timeout=120)
+    stderr = log.read_text()
     assert interrupted.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
     said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
     step = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
@@ -378,7 +389,8 @@ def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_
 
 def test_a_signal_during_sft_stops_in_one_line_leaving_a_folder_resume_starts_over(finished, tmp_path):
     out = tmp_path / "run"
-    returncode, stderr, _ = signal_when(out, finished[1], signal.SIGTERM, lambda: count_lines(out / "metrics.jsonl") >= 1)
+    sft_line_written = lambda: count_lines(out / "metrics.jsonl") >= 1  # noqa: E731
+    returncode, stderr = signal_when(out, finished[1], signal.SIGTERM, sft_line_written)
     assert returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
     said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
     assert said == ["interrupted by SIGTERM during SFT, before the first checkpoint; --resume starts from the beginning"]
