@@ -20,7 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def command(output_dir, *extra, program="main"):
-    entry = f"from sao_jax.cli import {program}; raise SystemExit({program}())"
+    # SIGINT as a shell leaves it to the program (Python's handler), even where pytest's runner ignores it.
+    entry = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from sao_jax.cli import "
+             f"{program}; raise SystemExit({program}())")
     return [sys.executable, "-c", entry, f"output_dir={output_dir}", *FAULT_RUN, *extra]
 
 
@@ -267,9 +269,8 @@ def signal_when(output_dir, env, signum, ready, *extra):
     """`--resume` sent `signum` as soon as `ready()` holds; (exit status, stderr)."""
     log = output_dir.parent / f"{output_dir.name}.{time.monotonic_ns()}.stderr"
     with log.open("w") as stderr:
-        # SIGINT ignored by whatever started pytest stays ignored in a child: the test gives it its default.
         process = subprocess.Popen(command(output_dir, "--resume", *extra), env=env, stdout=subprocess.DEVNULL,
-                                   stderr=stderr, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                                   stderr=stderr)  # fmt: skip
         deadline = time.monotonic() + 300
         while not ready() and process.poll() is None:
             assert time.monotonic() < deadline, "run did not progress"

@@ -14,8 +14,10 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 # Asks nothing of the run: it only waits, saying when a stop has been asked for.
 STUCK_RUN = """
-import sys, time
+import signal, sys, time
 from sao_jax.train.signals import StopRequests
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as a shell leaves it, even where pytest's runner ignores it
 
 with StopRequests(grace_s=float(sys.argv[1])) as stops:
     print("ready", flush=True)
@@ -29,8 +31,7 @@ with StopRequests(grace_s=float(sys.argv[1])) as stops:
 
 def stuck_run(grace_s):
     process = subprocess.Popen([sys.executable, "-c", STUCK_RUN, str(grace_s)], cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
     assert process.stdout.readline() == "ready\n"
     return process
 
