@@ -12,7 +12,11 @@
   current one that the next steps sample with (`PolicyLagRing.saved`), digested with `state`.
 
 Saves are asynchronous; the last `keep` are kept. A save Orbax declines (a step not newer than the
-newest one present) raises instead of being dropped.
+newest one present) raises instead of being dropped. A save that fails (a full disk, a folder without
+write permission) is a `CheckpointSaveError` naming the step, the folder and the cause: from `save`
+when it fails at once, from `failure` (which does not wait) or `wait` once it has failed in the
+background; Orbax's own reports of it (tracebacks from its threads) are dropped, and the steps
+saved before it are kept.
 
 Orbax writes each step under a temporary name and renames it when complete, so a process killed
 mid-save leaves no step that looks finished. A finished step that does not restore, whose arrays do
@@ -35,6 +39,8 @@ import dataclasses
 import gc
 import json
 import logging
+import os
+import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -57,7 +63,7 @@ log = logging.getLogger(__name__)
 # Every other key shapes what is trained.
 RESUMABLE_CHANGES = (
     "output_dir", "sft.cache_dir", "train.steps", "train.eval_every", "train.checkpoint_every",
-    "train.keep_checkpoints", "train.checkpoint_dir", "train.wandb", "train.wandb_project",
+    "train.keep_checkpoints", "train.checkpoint_dir", "train.signal_grace_s", "train.wandb", "train.wandb_project",
     "train.max_steps_without_data", "critic.pretrain_min_usable_fraction",
 )  # fmt: skip
 
@@ -80,6 +86,53 @@ _NOISY_LOGGERS = ("absl", "asyncio", "orbax")
 
 class ResumeError(UserError):
     """The run cannot start or continue from its folder as asked; the message is one line for the user."""
+
+
+class CheckpointSaveError(Exception):
+    """A checkpoint step could not be written; the message is one line for the user."""
+
+    def __init__(self, step: int | None, directory: Any, cause: str):
+        what = "a checkpoint" if step is None else f"checkpoint step {step}"
+        super().__init__(f"{what} could not be saved in {directory}: {cause}")
+        self.step, self.directory = step, directory
+
+
+def _save_cause(error: BaseException) -> str:
+    """Why a save failed, for the user: the operating system's words for an OS error anywhere in the
+    chain ("No space left on device", "Permission denied"; TensorStore reports one as
+    `os_error_code='28'`), else the root error's first line (`_cause`)."""
+    seen = error
+    while seen is not None:
+        code = seen.errno if isinstance(seen, OSError) and seen.errno else None
+        found = re.search(r"os_error_code='(\d+)'", str(seen))
+        if code is None and found:
+            code = int(found.group(1))
+        if code is not None:
+            return os.strerror(code)
+        seen = seen.__cause__ or seen.__context__
+    return _cause(error)
+
+
+# Checkpoint folders a `Checkpointer` saves to: Orbax's error reports about saves there are dropped.
+_saving_directories: set[str] = set()
+
+
+class _SaveErrorFilter(logging.Filter):
+    """Drops Orbax's reports of a failed save (each of its threads logs the error, with a traceback):
+    an error record of Orbax's that carries an exception or names a folder of `_saving_directories`.
+    The `Checkpointer` reports the failure in one line (`CheckpointSaveError`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "orbax" not in record.pathname or record.levelno < logging.ERROR:
+            return True
+        message = record.getMessage()
+        return not (record.exc_info or any(directory in message for directory in _saving_directories))
+
+
+def _drop_save_error_reports(directory: str) -> None:
+    if not _saving_directories:
+        logging.getLogger("absl").addFilter(_SaveErrorFilter())
+    _saving_directories.add(directory)
 
 
 def abstract_state(state: Any) -> Any:
@@ -279,11 +332,14 @@ class Checkpointer:
         )
         with _quiet():  # Orbax logs each step whose metadata does not parse; `restore_latest` reports it
             self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._saving: int | None = None  # the step of the last save not yet known to be complete
+        _drop_save_error_reports(str(self.directory))
 
     def save(self, step: int, state: Any, host: dict[str, Any], *, lagged_policy: Any = None) -> None:
         """Start saving (returns before the write finishes when async; `wait` blocks on it). Raises
-        when Orbax declines the save (a step >= `step` is already there). `lagged_policy`: the item of
-        that name (module docstring), when the run has one."""
+        when Orbax declines the save (a step >= `step` is already there), and `CheckpointSaveError`
+        when this save, or the one before it, failed. `lagged_policy`: the item of that name (module
+        docstring), when the run has one."""
         digest = checksums(state)
         items = dict(state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(self.config),
                      host=ocp.args.JsonSave(host))  # fmt: skip
@@ -291,14 +347,39 @@ class Checkpointer:
             digest |= {LAGGED_POLICY + path: value for path, value in checksums(lagged_policy).items()}
             items[LAGGED_POLICY] = ocp.args.StandardSave(lagged_policy)
         items = ocp.args.Composite(**items, digest=ocp.args.JsonSave(digest))
-        if not self._manager.save(int(step), args=items):
+        self.wait()  # Orbax waits for the previous save anyway: its failure is named here, as its own
+        self._saving = int(step)
+        try:
+            saved = self._manager.save(int(step), args=items)
+        except Exception as error:
+            raise self._failed(error) from error
+        if not saved:
             raise RuntimeError(f"checkpoint step {step} was not saved in {self.directory}: "
                                f"step {self._manager.latest_step()} is already there")  # fmt: skip
         if self._after_save is not None:
             self._after_save()
 
+    def _failed(self, error: BaseException) -> CheckpointSaveError:
+        step, self._saving = self._saving, None
+        return CheckpointSaveError(step, self.directory, _save_cause(error))
+
+    def failure(self) -> CheckpointSaveError | None:
+        """The failure of the last save if it has failed, without waiting for one still running."""
+        if self._saving is None or self._manager.is_saving_in_progress():
+            return None
+        try:
+            self.wait()
+        except CheckpointSaveError as error:
+            return error
+        return None
+
     def wait(self) -> None:
-        self._manager.wait_until_finished()
+        """Block until the last save is complete; `CheckpointSaveError` if it failed."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception as error:
+            raise self._failed(error) from error
+        self._saving = None
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
@@ -390,7 +471,7 @@ class Checkpointer:
             self._manager.reload()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
+        self.wait()
         self._manager.close()
 
     def __enter__(self) -> Checkpointer:

@@ -10,6 +10,7 @@ the run partway (`sao_jax.errors.RunError`: an environment that fails every roll
 exit 3; `--debug` also logs the first failed rollout's traceback in full.
 """
 
+
 from __future__ import annotations
 
 import argparse
@@ -24,6 +25,16 @@ import numpy as np
 from sao_jax.config import load_config
 from sao_jax.errors import RunError, UserError
 from sao_jax.outputs import join
+
+
+# `sao-train --help`'s epilog: how a run ends.
+EXIT_STATUSES = """\
+exit status: 0 the run finished; 2 a mistake in the arguments, config or folder (one line `error: ...`,
+nothing done); 1 a checkpoint could not be saved (one line `error: ...` naming the folder and the
+cause; the earlier checkpoints, summary.json and plots of the steps trained are kept); 143 after
+SIGTERM, 130 after SIGINT (128 + the signal): the step in hand was finished and saved, one line
+`interrupted ...`, and --resume continues from it. A second signal ends the process at once;
+train.signal_grace_s (default 25) bounds the stop."""
 
 
 def _parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
@@ -104,7 +115,8 @@ def _user_errors_exit_2(command: Callable[[argparse.Namespace], int], args: argp
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="sao-train", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="sao-train", description=__doc__.split("\n\n")[0], epilog=EXIT_STATUSES,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--resume", action="store_true",
                         help="continue from the newest readable checkpoint, or start from the beginning if there is none")
     parser.add_argument("--allow-config-change", action="store_true",
@@ -120,10 +132,21 @@ def _train(args: argparse.Namespace) -> int:
     if args.gae_demo:
         print(gae_demo(gamma=config.advantage.gamma, lam=config.advantage.lam_policy))
         return 0
+    from sao_jax.checkpoint import CheckpointSaveError
     from sao_jax.train.evaluation import summary_line
     from sao_jax.train.loop import train
+    from sao_jax.train.signals import Interrupted, exit_status
 
-    summary = train(config, resume=args.resume, allow_config_change=args.allow_config_change)
+    try:
+        summary = train(config, resume=args.resume, allow_config_change=args.allow_config_change)
+    except Interrupted as stopped:
+        print(stopped, file=sys.stderr)
+        return exit_status(stopped.signum)
+    except CheckpointSaveError as error:
+        if args.debug:
+            raise
+        print(f"error: {error} (the earlier checkpoints are kept: --resume continues from the newest)", file=sys.stderr)
+        return 1
     print(json.dumps(summary, indent=2))
     print(summary_line(summary))
     print(f"metrics: {join(config.output_dir, 'metrics.jsonl')}   plots: {join(config.output_dir, 'plots')}")

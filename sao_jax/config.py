@@ -327,6 +327,10 @@ class TrainConfig:
     eval_every: int = ranged(25, AT_LEAST_1)
     checkpoint_every: int = ranged(25, AT_LEAST_1)
     keep_checkpoints: int = ranged(3, AT_LEAST_1)
+    # Seconds from the first SIGTERM or SIGINT to exit (sao_jax.train.signals): the step in hand is
+    # finished and saved within them, else the process exits without that save. Keep it below the
+    # platform's notice: Cloud TPU and GCE Spot VMs stop about 30 s after SIGTERM, as GKE does by default.
+    signal_grace_s: float = ranged(25.0, POSITIVE)
     # Where checkpoints go: None = OUTPUT_DIR/checkpoints. A gs:// URL is written by Orbax directly,
     # with no bucket mount (metrics, TensorBoard and plots still go to output_dir).
     checkpoint_dir: str | None = None

@@ -1,8 +1,11 @@
 """Orbax checkpoints: round trip, keep-N, declined saves, digests and the finite check, falling back
 past unreadable steps, moving them aside, and the stored config."""
 
+import errno
+import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +13,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from sao_jax.checkpoint import Checkpointer, ResumeError, _checksum, checkpoint_path, config_changes
+from sao_jax.checkpoint import (CheckpointSaveError, Checkpointer, ResumeError, _checksum, _save_cause, checkpoint_path,
+                                config_changes)
 from sao_jax.config import load_config, to_dict
 from sao_jax.train.build import checkpoint_dir
 
@@ -262,3 +266,49 @@ asyncio.run(main())
     assert done.returncode == 0, done.stderr
     assert "an unrelated failure" in done.stderr and "exception was never retrieved" in done.stderr
     assert str(tmp_path) not in done.stderr, done.stderr
+
+
+def test_a_save_failing_in_the_background_is_known_without_waiting_and_named_in_one_error(tmp_path, monkeypatch,
+                                                                                          capfd):  # fmt: skip
+    """A disk that fills during step 2's background write: `failure` reports it once the write has
+    ended (it never blocks on one in progress), as ENOSPC's words with the step and the folder, with
+    none of Orbax's tracebacks; step 1 is kept."""
+    from orbax.checkpoint._src.handlers import json_checkpoint_handler as json_handler
+
+    written = json_handler.JsonCheckpointHandler._save_fn
+
+    async def full_disk(self, x, directory):
+        if directory.parent.name.startswith("2"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+        return await written(self, x, directory)
+
+    monkeypatch.setattr(json_handler.JsonCheckpointHandler, "_save_fn", full_disk)
+    ckpt = Checkpointer(tmp_path / "ckpt", config={})
+    ckpt.save(1, make_state(1), {})
+    ckpt.wait()
+    assert ckpt.failure() is None
+    ckpt.save(2, make_state(2), {})
+    deadline = time.monotonic() + 60
+    while (failure := ckpt.failure()) is None:
+        assert time.monotonic() < deadline, "the failed save was never reported"
+        time.sleep(0.01)
+    assert isinstance(failure, CheckpointSaveError)
+    assert str(failure) == f"checkpoint step 2 could not be saved in {tmp_path / 'ckpt'}: No space left on device"
+    assert ckpt.failure() is None  # reported once
+    assert ckpt.steps() == [1]
+    ckpt.close()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_the_cause_of_a_failed_save_is_the_operating_systems_words():
+    tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing local file "/ckpt/3/state/_sharding": Failed to '
+                             "write 8061 bytes to file 13: No space left on device [os_error_code='28']")  # fmt: skip
+    assert _save_cause(tensorstore) == "No space left on device"
+    try:
+        try:
+            raise PermissionError(errno.EACCES, "Permission denied", "/ckpt/3")
+        except PermissionError as error:
+            raise RuntimeError("save failed") from error
+    except RuntimeError as wrapped:
+        assert _save_cause(wrapped) == "Permission denied"
+    assert _save_cause(RuntimeError("something else\nmore")) == "RuntimeError: something else"

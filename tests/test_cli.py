@@ -168,3 +168,30 @@ def test_the_entry_point_sets_the_cpu_scheduler_flag_unless_xla_flags_names_it(c
     assert main(["--gae-demo"]) == 0
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=false"
     capsys.readouterr()
+
+
+def test_a_stop_on_a_signal_and_a_failed_save_are_one_line_each_with_their_exit_status(capsys, monkeypatch, tmp_path):
+    import signal
+
+    import sao_jax.train.loop as loop
+    from sao_jax.checkpoint import CheckpointSaveError
+    from sao_jax.train.signals import Interrupted
+
+    outcomes = iter([Interrupted(signal.SIGTERM, 7), Interrupted(signal.SIGINT, None, "SFT"),
+                     Interrupted(signal.SIGTERM, 3, dropped_prompts=5),
+                     CheckpointSaveError(4, tmp_path, "No space left on device")])  # fmt: skip
+
+    def stop(config, **flags):
+        raise next(outcomes)
+
+    monkeypatch.setattr(loop, "train", stop)
+    assert [main([f"output_dir={tmp_path}"]) for _ in range(4)] == [143, 130, 143, 1]
+    assert capsys.readouterr().err.splitlines() == [
+        "interrupted by SIGTERM at step 7; saved; resume with --resume",
+        "interrupted by SIGINT during SFT, before the first checkpoint; --resume starts from the beginning",
+        "interrupted by SIGTERM at step 3; saved; 5 prompts queued or in flight dropped; resume with --resume",
+        f"error: checkpoint step 4 could not be saved in {tmp_path}: No space left on device (the earlier checkpoints "
+        "are kept: --resume continues from the newest)"]  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "143 after\nSIGTERM, 130 after SIGINT" in capsys.readouterr().out

@@ -229,6 +229,7 @@ ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
                                     "tests/train/test_dead_environment.py",
     "train.batch_size": "the rows each batch source collates (rl_loop): tests/train/test_groups_trace.py",
     "train.keep_checkpoints": "the Checkpointer's retention (train): tests/test_checkpoint.py",
+    "train.signal_grace_s": "the bound on a stop after a signal (train.signals): tests/train/test_faults.py",
     "train.max_staleness": "the async rollout engine (StreamingBatches): tests/rollout/test_engine.py",
     "rollout.policy_lag": "the sync batch source's weight versions (LockstepBatches): tests/train/test_policy_lag.py",
     "rollout.policy_lag_spread": "the sync batch source's lag draw (LockstepBatches): tests/train/test_policy_lag.py",

@@ -136,8 +136,9 @@ class LockstepBatches:
         are a checkpoint item of their own (`PolicyLagRing.saved`)."""
         return {}
 
-    def close(self) -> None:
-        pass
+    def close(self) -> int:
+        """Nothing to stop: no rollout outlives its step (0 dropped)."""
+        return 0
 
 
 class StreamingBatches:
@@ -240,12 +241,13 @@ class StreamingBatches:
         """Each process's next prompt index after the last batch (the checkpoint's part of the stream)."""
         return {"prompt_index": self.positions}
 
-    def close(self) -> None:
+    def close(self) -> int:
+        """Stop the engine's workers (each finishes the rollout in hand) and the rollout service;
+        returns the number of prompts finished but unused or still in flight, which a run resumed
+        from the last checkpoint does not replay."""
         state = self.engine.close()
         self.service.close()
-        lost = len(state.unconsumed_indices) + len(state.in_flight_indices)
-        if lost:
-            log.info("async engine closed with %d finished-but-unused or in-flight rollouts", lost)
+        return len(state.unconsumed_indices) + len(state.in_flight_indices)
 
 
 def async_metrics(per_process: list[dict]) -> dict[str, float]:

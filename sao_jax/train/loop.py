@@ -6,6 +6,12 @@ jitted steps (`sao_jax.train.steps`), and does the side effects — logging, che
 Determinism (train.mode = "sync"): the prompts of RL step s and every PRNG key are functions of
 (seed, s), and the agent loop runs in lockstep, so a run resumed from the checkpoint of step s
 writes the same metrics as the uninterrupted run.
+
+Faults while it runs (`sao_jax.train.signals`): SIGTERM or SIGINT stops the run after the step in
+hand, saved (`Interrupted`); a checkpoint that fails to save stops it at the end of the step during
+which the failure became known (`CheckpointSaveError`), with the summary and plots of the steps
+trained and every earlier checkpoint kept. Every process of a multi-process run stops after the same
+step.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +31,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
-from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
+from sao_jax.checkpoint import CheckpointSaveError, Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, to_dict
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.outputs import FolderLock, OutputMirror, check_writable, free_name, is_url
@@ -36,6 +43,7 @@ from sao_jax.train.batches import LockstepBatches, PolicyLagRing, StreamingBatch
 from sao_jax.train.build import Run, build_run, checkpoint_dir, make_optimizers, new_critic, policy_weights
 from sao_jax.train.evaluation import (evaluate, repair_metrics, rollout_metrics, run_summary, style_metrics,
                                      tool_metrics)
+from sao_jax.train.signals import Interrupted, StopRequests
 from sao_jax.train.warm_start import run_critic_warmup, run_sft, run_value_pretraining
 
 log = logging.getLogger(__name__)
@@ -55,12 +63,15 @@ def train(config: Config, *, resume: bool = False, allow_config_change: bool = F
 
     An environment that gives nothing usable (`train.max_steps_without_data`,
     `critic.pretrain_min_usable_fraction`) raises `DeadEnvironmentError` once the saves in flight have
-    finished and the plots are drawn; no summary.json is written then (the run did not finish)."""
+    finished and the plots are drawn; no summary.json is written then (the run did not finish).
+
+    SIGTERM or SIGINT (in the main thread) raises `Interrupted` once the step in hand is saved, a save
+    that fails `CheckpointSaveError` (module docstring)."""
     check_writable(config.output_dir, "output_dir")
     if config.train.checkpoint_dir is not None:
         check_writable(config.train.checkpoint_dir, "train.checkpoint_dir")
-    with run_folder_locks(config):
-        return _train(config, resume=resume, allow_config_change=allow_config_change)
+    with run_folder_locks(config), StopRequests(config.train.signal_grace_s) as stops:
+        return _train(config, stops, resume=resume, allow_config_change=allow_config_change)
 
 
 def run_folder_locks(config: Config) -> contextlib.ExitStack:
@@ -83,8 +94,8 @@ def run_folder_locks(config: Config) -> contextlib.ExitStack:
         return stack.pop_all()
 
 
-def _train(config: Config, *, resume: bool, allow_config_change: bool) -> dict[str, Any]:
-    """`train`, with the run's folders locked."""
+def _train(config: Config, stops: StopRequests, *, resume: bool, allow_config_change: bool) -> dict[str, Any]:
+    """`train`, with the run's folders locked and its signals handled by `stops`."""
     # A URL output_dir is written through a local mirror, pushed after each checkpoint (sao_jax.outputs).
     mirror = OutputMirror.fresh(config.output_dir, jax.process_index()) if is_url(config.output_dir) else None
     out = Path(config.output_dir) if mirror is None else mirror.local
@@ -143,36 +154,57 @@ def _train(config: Config, *, resume: bool, allow_config_change: bool) -> dict[s
 
     wandb_project = config.train.wandb_project if config.train.wandb and cluster.is_primary else None
     purge_step = None if restored is None else start_step + 1  # TensorBoard drops the killed run's later events
-    with MetricsWriter(metrics_dir, tensorboard=cluster.is_primary, wandb_project=wandb_project,
-                       config=to_dict(config), purge_step=purge_step) as writer:  # fmt: skip
-        if restored is None:
-            state = cluster.place(steps_lib.freeze_reference(state.replace(policy_params=run_sft(run, writer))))
-            # The critic starts from the warm-started policy (SAO initialises V from the policy).
-            sft_policy = nnx.merge(graphs.policy, state.policy_params, state.policy_buffers)
-            critic = new_critic(sft_policy, config)
-            state = cluster.place(state.replace(critic_params=steps_lib.split_model(critic)[1]))
-            state = run_value_pretraining(run, state, graphs, rollout_loop, critic_tx, writer)
-            state = run_critic_warmup(run, state, graphs, steps.critic_warmup_step, rollout_loop, writer)
-            writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
-            writer.flush()
-            checkpointer.save(0, state, {"step": 0}, lagged_policy=lagged_policy(ring, 0, state, graphs))
-        try:
-            summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step,
-                              host, ring)  # fmt: skip
-        except DeadEnvironmentError as error:  # keep what was trained: the saves finish, metrics and plots are written
-            summary, stopped = None, error
-        else:
-            stopped = None
+    try:
+        with MetricsWriter(metrics_dir, tensorboard=cluster.is_primary, wandb_project=wandb_project,
+                           config=to_dict(config), purge_step=purge_step) as writer:  # fmt: skip
+            if restored is None:
+                params = run_sft(run, writer, stops=stops)
+                state = cluster.place(steps_lib.freeze_reference(state.replace(policy_params=params)))
+                # The critic starts from the warm-started policy (SAO initialises V from the policy).
+                sft_policy = nnx.merge(graphs.policy, state.policy_params, state.policy_buffers)
+                critic = new_critic(sft_policy, config)
+                state = cluster.place(state.replace(critic_params=steps_lib.split_model(critic)[1]))
+                state = run_value_pretraining(run, state, graphs, rollout_loop, critic_tx, writer, stops=stops)
+                state = run_critic_warmup(run, state, graphs, steps.critic_warmup_step, rollout_loop, writer,
+                                          stops=stops)  # fmt: skip
+                writer.write(0, evaluate(run, eval_loop, policy_weights(state, graphs)))
+                end_step(0, state, {}, writer, checkpointer, stops, save=True,
+                         lagged=lambda: lagged_policy(ring, 0, state, graphs))  # fmt: skip
+            try:
+                summary = rl_loop(run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer,
+                                  start_step, host, stops, ring)  # fmt: skip
+            except DeadEnvironmentError as error:  # keep what was trained: the saves finish, metrics, plots
+                summary, stopped = None, error
+            else:
+                stopped = None
+    except CheckpointSaveError:
+        # What was trained stays readable: the summary and plots of the steps written so far (unless
+        # output_dir's disk is the full one: the error says so already).
+        if cluster.is_primary:
+            lines = read_metrics(metrics_file)
+            trained = max((line["step"] for line in lines), default=0)
+            with contextlib.suppress(OSError):
+                write_results(out, run_summary(lines, num_eval_prompts=len(run.eval_prompts), steps=trained))
+        raise
+    except Interrupted:
+        if mirror is not None:
+            mirror.push()
+        raise
     checkpointer.close()
     if cluster.is_primary:
-        plot_run(out)
-        if summary is not None:
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+        write_results(out, summary)
     if mirror is not None:
         mirror.push()
     if stopped is not None:
         raise stopped
     return summary
+
+
+def write_results(out: Path, summary: dict[str, Any] | None) -> None:
+    """`plots/*.png` and `summary.json` in `out` (no summary.json for a run that did not finish: None)."""
+    plot_run(out)
+    if summary is not None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=2))
 
 
 def record_config(out: Path, config: Config, start_step: int) -> None:
@@ -204,8 +236,28 @@ def rl_schedule(config: Config, step: int) -> tuple[bool, bool]:
     return step % train_cfg.eval_every == 0 or last, step % train_cfg.checkpoint_every == 0 or last
 
 
+def end_step(step: int, state, host: dict[str, Any], writer: MetricsWriter, checkpointer: Checkpointer,
+             stops: StopRequests, *, save: bool, lagged: Callable[[], Any] = lambda: None) -> None:
+    """After step `step`'s metric line: raise the failure of an earlier save (`CheckpointSaveError`),
+    or save `state` (with `host`, the batch source's stream position, and `lagged()`, the lag's
+    weight versions) when `save` or a stop is asked for, and on a stop raise `Interrupted` once that
+    save is complete. Every process decides alike (`StopRequests.agreed`)."""
+    failure = checkpointer.failure()
+    stop, failed = stops.agreed(failure)
+    if failed:
+        raise failure or CheckpointSaveError(None, checkpointer.directory, "the save failed on another process")
+    if save or stop:
+        writer.flush()
+        checkpointer.save(step, state, {"step": step, **host}, lagged_policy=lagged())
+    if stop:
+        checkpointer.wait()
+        raise Interrupted(stops.signum, step)
+
+
 def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, checkpointer, start_step: int,
-            host: dict[str, Any], ring: PolicyLagRing | None = None):  # fmt: skip
+            host: dict[str, Any], stops: StopRequests, ring: PolicyLagRing | None = None):  # fmt: skip
+    """RL steps `start_step` + 1 … `train.steps`; returns the run's summary. Each step ends in
+    `end_step`."""
     config = run.config
     train_cfg = config.train
     base_key = jax.random.key(config.seed)
@@ -224,8 +276,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
         return run.tokenizer.encode(run.demonstration(prompt)[-1])
 
     streak, without_data = 0, FailureTally()  # steps in a row with no usable trajectory, their failed rollouts
+    bar = tqdm(range(start_step + 1, train_cfg.steps + 1), desc="rl", initial=start_step, total=train_cfg.steps)
     try:
-        bar = tqdm(range(start_step + 1, train_cfg.steps + 1), desc="rl", initial=start_step, total=train_cfg.steps)
         for step in bar:
             started = time.perf_counter()
             if schedule is not None:
@@ -240,6 +292,8 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
                         f"no usable trajectory in {streak} RL steps in a row (steps {step - streak + 1}-{step}; "
                         f"train.max_steps_without_data={train_cfg.max_steps_without_data}): the environment failed "
                         f"{without_data.total} rollouts, {without_data.describe()}")  # fmt: skip
+                end_step(step, state, source.host_state(), writer, checkpointer, stops, save=False,
+                         lagged=lambda: lagged_policy(ring, step, state, graphs))  # fmt: skip
                 continue
             streak, without_data = 0, FailureTally()
             batch = collate(kept, batch_size=train_cfg.batch_size, buckets=run.buckets, trainer_version=step - 1)
@@ -263,12 +317,16 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             written = writer.write(step, line)
             bar.set_postfix(reward=f"{written['train/reward_mean']:.2f}", success=f"{written['train/success_rate']:.2f}",
                             eval=f"{last_eval:.2f}" if last_eval is not None else "-")  # fmt: skip
-            if checkpoints:
-                writer.flush()
-                checkpointer.save(step, state, {"step": step, **source.host_state()},
-                                  lagged_policy=lagged_policy(ring, step, state, graphs))  # fmt: skip
-    finally:
+            end_step(step, state, source.host_state(), writer, checkpointer, stops, save=checkpoints,
+                     lagged=lambda: lagged_policy(ring, step, state, graphs))  # fmt: skip
+    except Interrupted as interrupted:
+        bar.close()
+        interrupted.dropped_prompts = source.close()
+        raise
+    except BaseException:
         source.close()
+        raise
+    source.close()
     if source.errors.total and run.cluster.is_primary:  # counted as they came, summed up once
         log.warning("the environment failed %d rollouts in RL, %s (train/env_failed in metrics.jsonl counts them "
                     "by step; --debug shows the first one's traceback)", source.errors.total, source.errors.describe())

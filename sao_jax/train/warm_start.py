@@ -40,6 +40,7 @@ from sao_jax.train.build import (
     usable,
 )
 from sao_jax.train.sft import choice_mask, demonstration_trajectory, make_demonstration_probe, make_sft_update
+from sao_jax.train.signals import Interrupted, StopRequests
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +55,12 @@ def sft_cache_key(config: Config) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def run_sft(run: Run, writer: MetricsWriter) -> Any:
+def run_sft(run: Run, writer: MetricsWriter, *, stops: StopRequests | None = None) -> Any:
     """Fit the policy to demonstrations; returns the policy's trained params. With `sft.cache_dir`, a
     warm start already trained under the same settings is loaded instead (its metric lines replayed),
     and a new one is stored there. An entry that does not load (truncated, corrupt, other shapes) is
-    named in one warning, moved aside to `<entry>.unreadable.npz` and trained again."""
+    named in one warning, moved aside to `<entry>.unreadable.npz` and trained again. With `stops`, a
+    signal ends it after the SFT step in hand (`Interrupted`; nothing is stored)."""
     sft_cfg = run.config.sft
     graph, params, buffers = steps_lib.split_model(run.policy)
     if sft_cfg.steps == 0:
@@ -80,7 +82,7 @@ def run_sft(run: Run, writer: MetricsWriter) -> Any:
             log.info("warm start loaded from %s", cached)
             return run.cluster.place(loaded)
     lines: list[dict[str, Any]] = []
-    params = _train_sft(run, graph, params, buffers, writer, lines)
+    params = _train_sft(run, graph, params, buffers, writer, lines, stops)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
         partial = cached.with_suffix(".partial.npz")  # a crash mid-write leaves no half-written cache entry
@@ -103,7 +105,7 @@ def _load_sft_cache(path: Path, params) -> tuple[Any, list[dict[str, Any]]]:
     return jax.tree.unflatten(treedef, [jnp.asarray(a, leaf.dtype) for a, leaf in zip(arrays, leaves)]), lines
 
 
-def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list) -> Any:
+def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: list, stops: StopRequests | None) -> Any:
     """The SFT steps themselves, until the probe reaches its target or `sft.steps` (`SFTConfig`); each
     metric line written is also appended to `lines`."""
     sft_cfg = run.config.sft
@@ -143,6 +145,8 @@ def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: l
                                 **({"p_demo": f"{line['sft/demonstration_probability']:.2f}"} if checked else {}))
             if reached:
                 break
+            if stops is not None and stops.agreed()[0]:
+                raise Interrupted(stops.signum, None, "SFT")
     if not reached and sft_cfg.target_demonstration_probability > 0:
         log.warning("sft: the warm start did not reach sft.target_demonstration_probability=%s within sft.steps=%d",
                     sft_cfg.target_demonstration_probability, sft_cfg.steps)
@@ -172,10 +176,12 @@ def demonstration_probe(run: Run, graph, buffers):
     return run.cluster.step(make_demonstration_probe(graph, buffers, batch, free_mask))
 
 
-def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, critic_tx, writer: MetricsWriter):
+def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, critic_tx, writer: MetricsWriter, *,
+                          stops: StopRequests | None = None):  # fmt: skip
     """Regress the critic on Monte-Carlo returns (λ = 1) of the initial policy's rollouts; returns the
     state with the pretrained critic and a fresh RL critic optimizer state (`critic_tx`). `state` is
-    consumed (its buffers are donated)."""
+    consumed (its buffers are donated). With `stops`, a signal ends it after the rollouts or the batch
+    in hand (`Interrupted`)."""
     config = run.config
     critic_cfg = config.critic
     critic_free = ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
@@ -187,6 +193,12 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1))
     corpus, failed = usable(rollouts)
     check_pretraining_corpus(config, rollouts, len(corpus))
+
+    def check_stop():
+        if stops is not None and stops.agreed()[0]:
+            raise Interrupted(stops.signum, None, "value pretraining")
+
+    check_stop()
     tx, value_update = value_pretraining_update(graphs, config)
     value_update = run.cluster.step(value_update)
     pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
@@ -198,6 +210,7 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
             batch = collate([corpus[i] for i in order[start:start + batch_size]], batch_size=batch_size, buckets=run.buckets)
             pretrain_state, metrics = value_update(pretrain_state, batch, jax.random.key(epoch))
             epoch_metrics.append(jax.device_get(metrics))
+            check_stop()
         mean = {k: float(np.mean([m[k] for m in epoch_metrics])) for k in epoch_metrics[0]}
         writer.write(0, {"stage": "value_pretrain", "value_pretrain/epoch": epoch, "value_pretrain/corpus": len(corpus),
                          "value_pretrain/failed_rollouts": failed, **mean})  # fmt: skip
@@ -231,13 +244,15 @@ def value_pretraining_update(graphs: steps_lib.Graphs, config: Config):
     return tx, jax.jit(steps_lib.sequence(update), donate_argnums=0)
 
 
-def run_critic_warmup(run: Run, state, graphs, critic_warmup_step, rollout_loop: AgentLoop, writer: MetricsWriter):
+def run_critic_warmup(run: Run, state, graphs, critic_warmup_step, rollout_loop: AgentLoop, writer: MetricsWriter, *,
+                      stops: StopRequests | None = None):  # fmt: skip
     """`critic.warmup_steps` critic-only steps (TTUR's K value updates, RL's critic optimizer) on
     fresh batches of `train.batch_size` rollouts of the starting policy, before RL step 1; returns
     the state. SAO runs 10 such steps before its first policy update; here they come on top of the RL
     budget, so every row of a comparison makes `train.steps` policy updates. Their prompts and keys
     come from a stream of their own, so RL step s draws the same prompts in every row. Logged at
-    step 0, one line a step, `"stage": "critic_warmup"`."""
+    step 0, one line a step, `"stage": "critic_warmup"`. With `stops`, a signal ends it after the
+    step in hand (`Interrupted`; the run is not checkpointed yet, so `--resume` starts over)."""
     config = run.config
     if config.critic.warmup_steps == 0 or ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None:
         return state
@@ -256,4 +271,6 @@ def run_critic_warmup(run: Run, state, graphs, critic_warmup_step, rollout_loop:
         state, metrics = critic_warmup_step(state, batch, step_key)
         writer.write(0, {"stage": "critic_warmup", "critic_warmup/step": i, "critic_warmup/failed_rollouts": failed,
                          **jax.tree.map(float, jax.device_get(metrics))})  # fmt: skip
+        if stops is not None and stops.agreed()[0]:
+            raise Interrupted(stops.signum, None, "the critic warmup")
     return state

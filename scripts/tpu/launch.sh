@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run `sao-train` on every host of the slice; after a preemption or crash, recreate/reinstall as
-# needed and relaunch with --resume (the run continues from its newest checkpoint in output_dir).
+# needed and relaunch with --resume (the run continues from its newest checkpoint in output_dir,
+# which after a preemption's SIGTERM is the step that was in hand).
 # NOT RUN HERE: written without access to a TPU; checked only with bash -n, --help, shellcheck and a
 # stub gcloud (tests/test_memory_plan.py).
 set -euo pipefail
@@ -56,9 +57,11 @@ if (( ${#overrides[@]} )); then
   quoted_overrides="$(printf ' %q' "${overrides[@]}")"
 fi
 
-# Each host: stop this run's previous process if one survived (it would hold the TPU), then start
-# sao-train in the foreground with its output appended to the host's log; the PID file lets the
-# next attempt stop exactly that process.
+# Each host: stop this run's previous process if one survived (it would hold the TPU): SIGTERM, on
+# which sao-train saves the step in hand and exits within train.signal_grace_s (25 s), and SIGKILL
+# after 30 s. Then start sao-train in the foreground with its output appended to the host's log; the
+# PID file lets the next attempt stop exactly that process. sao-train exits 0 only when the run is
+# finished: 143 after a preemption's SIGTERM (the step in hand saved), so the loop below resumes.
 job="
 set -euo pipefail
 mkdir -p $REMOTE_LOGS

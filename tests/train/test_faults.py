@@ -2,6 +2,7 @@
 under a changed config, on one tiny run finished once (module fixture) and copied per case."""
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,9 @@ pytestmark = pytest.mark.slow
 
 
 def command(output_dir, *extra, program="main"):
-    entry = f"from sao_jax.cli import {program}; raise SystemExit({program}())"
+    # SIGINT as a shell leaves it to the program (Python's handler), even where pytest's runner ignores it.
+    entry = (f"import signal; signal.signal(signal.SIGINT, signal.default_int_handler); from sao_jax.cli import "
+             f"{program}; raise SystemExit({program}())")
     return [sys.executable, "-c", entry, f"output_dir={output_dir}", *FAULT_RUN, *extra]
 
 
@@ -225,17 +228,14 @@ def test_resume_of_a_run_past_a_lowered_train_steps_is_refused_touching_nothing(
     assert "in 6 RL steps" in again.stdout
 
 
-# `train(..., resume=True)` with the rollout engine recording, one JSON line each, its start index and
+# `sao-train --resume` with the rollout engine recording, one JSON line each, its start index and
 # the prompt indices of every batch it hands out.
 RECORDING_TRAINER = """
-import json, logging, sys
+import json, sys
 import sao_jax.rollout.engine as engine_lib
 import sao_jax.train.batches as batches
-import sao_jax.train.loop as loop_lib
-from sao_jax.config import load_config
+from sao_jax.cli import main
 
-logging.basicConfig(level=logging.WARNING)
-logging.getLogger("sao_jax").setLevel(logging.INFO)
 record = open(sys.argv[1], "a")
 
 class Recorded(engine_lib.RolloutEngine):
@@ -249,17 +249,22 @@ class Recorded(engine_lib.RolloutEngine):
         return batch
 
 batches.RolloutEngine = Recorded  # the name StreamingBatches looks up
-loop_lib.train(load_config(None, sys.argv[2:]), resume=True)
+raise SystemExit(main([*sys.argv[2:], "--resume"]))
 """
+
+
+def recording_trainer(out, record, *extra):
+    """The command of a tiny async run in `out` with the RECORDING_TRAINER writing to `record`."""
+    overrides = [f"output_dir={out}", *TINY_RUN, "train.mode=async", "sft.steps=0", "critic.pretrain_rollouts=0",
+                 "train.steps=6", "train.eval_every=6", "train.queue_capacity=4", *extra]  # fmt: skip
+    return [sys.executable, "-c", RECORDING_TRAINER, str(record), *overrides]
 
 
 def test_async_resume_continues_the_prompt_stream(finished, tmp_path):
     """kill -9 after a checkpoint: the resumed engine starts where the interrupted one stood, above
     every prompt index trained on before the checkpoint, and trains on none of those again."""
     out, record = tmp_path / "run", tmp_path / "record.jsonl"
-    overrides = [f"output_dir={out}", *TINY_RUN, "train.mode=async", "sft.steps=0", "critic.pretrain_rollouts=0",
-                 "train.steps=6", "train.checkpoint_every=2", "train.eval_every=6", "train.queue_capacity=4"]  # fmt: skip
-    trainer = [sys.executable, "-c", RECORDING_TRAINER, str(record), *overrides]
+    trainer = recording_trainer(out, record, "train.checkpoint_every=2")
     interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300
     while not ((out / "checkpoints" / "2").is_dir() and count_lines(out / "metrics.jsonl") >= 4):  # 0, 1, 2, 3
@@ -279,3 +284,142 @@ def test_async_resume_continues_the_prompt_stream(finished, tmp_path):
     redone = [index for entry in second[1:] for index in entry["batch"]]  # steps step+1..6
     assert len(trained) == 4 * step and len(redone) == 4 * (6 - step)
     assert second[0]["start"] > max(trained) and min(redone) >= second[0]["start"]
+
+
+def digests(out, step):
+    """The per-array checksums saved with checkpoint `step` (`checkpoint.checksums`)."""
+    return json.loads((out / "checkpoints" / str(step) / "digest" / "metadata").read_text())
+
+
+def signal_when(output_dir, env, signum, ready, *extra):
+    """`--resume` sent `signum` as soon as `ready()` holds; (exit status, stderr)."""
+    log = output_dir.parent / f"{output_dir.name}.{time.monotonic_ns()}.stderr"
+    with log.open("w") as stderr:
+        process = subprocess.Popen(command(output_dir, "--resume", *extra), env=env, stdout=subprocess.DEVNULL,
+                                   stderr=stderr)  # fmt: skip
+        deadline = time.monotonic() + 300
+        while not ready() and process.poll() is None:
+            assert time.monotonic() < deadline, "run did not progress"
+            time.sleep(0.02)
+        process.send_signal(signum)
+        try:
+            process.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            pytest.fail(f"the run did not stop within 120 s of {signal.Signals(signum).name}")
+    return process.returncode, log.read_text()
+
+
+def stop_between_checkpoints(finished, tmp_path, signum):
+    """A copy of the finished run rewound to checkpoint 3, resumed and sent `signum` once step 4 is
+    written; checks the stop (one line, exit 128 + the signal, the step in hand saved) and returns
+    (folder, the step it stopped at)."""
+    out = copy_of(finished, tmp_path, rewind_to=3)
+    at_checkpoint = count_lines(out / "metrics.jsonl")
+    step_4_written = lambda: count_lines(out / "metrics.jsonl") > at_checkpoint  # noqa: E731
+    returncode, stderr = signal_when(out, finished[1], signum, step_4_written)
+    stopped_at = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert returncode == 128 + signum and "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
+    name = signal.Signals(signum).name
+    assert said == [f"interrupted by {name} at step {stopped_at}; saved; resume with --resume"], said
+    assert 3 < stopped_at and (out / "checkpoints" / str(stopped_at)).is_dir()
+    return out, stopped_at
+
+
+def test_sigterm_saves_the_step_in_hand_and_resume_ends_as_the_uninterrupted_run(finished, tmp_path):
+    """SIGTERM between two checkpoints (3 and 6): `--resume` from the step saved on the way out writes
+    the uninterrupted run's metrics and final checkpoint."""
+    out, stopped_at = stop_between_checkpoints(finished, tmp_path, signal.SIGTERM)
+    done = run(out, finished[1], "--resume")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from step {stopped_at}" in done.stderr
+    assert algorithm_metrics(out / "metrics.jsonl") == algorithm_metrics(finished[0] / "metrics.jsonl")
+    assert digests(out, 6) == digests(finished[0], 6)
+
+
+def test_ctrl_c_saves_the_step_in_hand_in_one_line_without_a_traceback(finished, tmp_path):
+    stop_between_checkpoints(finished, tmp_path, signal.SIGINT)
+
+
+# `sao-train` whose checkpoint writes fail with ENOSPC ("No space left on device") from step 3 on, in
+# Orbax's background commit, where a full disk makes them fail.
+FULL_DISK_TRAINER = """
+import errno, os
+from orbax.checkpoint._src.handlers import json_checkpoint_handler as json_handler
+from sao_jax.cli import main
+
+written = json_handler.JsonCheckpointHandler._save_fn
+
+async def full_disk(self, x, directory):
+    if int(directory.parent.name.split(".")[0]) >= 3:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(directory))
+    return await written(self, x, directory)
+
+json_handler.JsonCheckpointHandler._save_fn = full_disk
+raise SystemExit(main())
+"""
+
+
+def test_a_failed_save_stops_the_run_at_once_in_one_line_keeping_what_was_trained(finished, tmp_path):
+    out = copy_of(finished, tmp_path, rewind_to=0)
+    (out / "summary.json").unlink()
+    shutil.rmtree(out / "plots")
+    done = subprocess.run([sys.executable, "-c", FULL_DISK_TRAINER, f"output_dir={out}", *FAULT_RUN, "--resume"],
+                          env=finished[1], capture_output=True, text=True, timeout=600)  # fmt: skip
+    said = messages(done.stderr)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in said if line.startswith("error:")]
+    assert errors == [f"error: checkpoint step 3 could not be saved in {out / 'checkpoints'}: No space left on device "
+                      "(the earlier checkpoints are kept: --resume continues from the newest)"], said  # fmt: skip
+    trained = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
+    assert 3 < trained < 6, "the failure was known only at the next checkpoint"
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == ["0"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == trained and summary["eval_success_start"] is not None
+    assert any((out / "plots").glob("*.png"))
+
+
+def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_stream(finished, tmp_path):
+    """SIGTERM in async mode, with no checkpoint due before the end: the step in hand is saved with the
+    stream's position, the prompts in flight are counted in the one line, and the resumed engine starts
+    at that position, trains on none of the prompts trained on before, and ends the run."""
+    out, record = tmp_path / "run", tmp_path / "record.jsonl"
+    trainer = recording_trainer(out, record, "train.checkpoint_every=6")
+    log = tmp_path / "interrupted.stderr"
+    with log.open("w") as stderr:
+        interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.monotonic() + 300
+        while count_lines(out / "metrics.jsonl") < 3:  # steps 0, 1, 2
+            assert interrupted.poll() is None and time.monotonic() < deadline, "run did not reach step 2"
+            time.sleep(0.02)
+        interrupted.send_signal(signal.SIGTERM)
+        interrupted.wait(timeout=120)
+    stderr = log.read_text()
+    assert interrupted.returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
+    step = algorithm_metrics(out / "metrics.jsonl")[-1]["step"]
+    line = rf"interrupted by SIGTERM at step {step}; saved(; \d+ prompts queued or in flight dropped)?; resume with --resume"
+    assert len(said) == 1 and re.fullmatch(line, said[0]), said
+    position = json.loads((out / "checkpoints" / str(step) / "host" / "metadata").read_text())["prompt_index"]
+    lines = record.read_text().splitlines()
+    resumed = subprocess.run(trainer, env=finished[1], capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first = [json.loads(line) for line in lines]
+    second = [json.loads(line) for line in record.read_text().splitlines()[len(lines):]]
+    trained = [index for entry in first[1:step + 1] for index in entry["batch"]]  # steps 1..step
+    assert second[0] == {"start": position[0]} and position[0] > max(trained)
+    redone = [index for entry in second[1:] for index in entry["batch"]]  # steps step+1..6
+    assert len(redone) == 4 * (6 - step) and min(redone) >= position[0]
+    assert [line["step"] for line in algorithm_metrics(out / "metrics.jsonl")] == list(range(7))
+
+
+def test_a_signal_during_sft_stops_in_one_line_leaving_a_folder_resume_starts_over(finished, tmp_path):
+    out = tmp_path / "run"
+    sft_line_written = lambda: count_lines(out / "metrics.jsonl") >= 1  # noqa: E731
+    returncode, stderr = signal_when(out, finished[1], signal.SIGTERM, sft_line_written)
+    assert returncode == 143 and "Traceback" not in stderr, stderr[-3000:]
+    said = [line for line in messages(stderr) if not line.startswith(("INFO ", "INFO:"))]
+    assert said == ["interrupted by SIGTERM during SFT, before the first checkpoint; --resume starts from the beginning"]
+    assert {line.get("stage") for line in algorithm_metrics(out / "metrics.jsonl")} == {"sft"}
+    assert not any(p.name[0].isdigit() for p in (out / "checkpoints").iterdir())  # `--resume` starts over (fixture)

@@ -3,9 +3,11 @@ each), and as 1 process with 2 CPU devices, against the same run on 1 device wit
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -39,12 +41,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start(output_dir: Path, cache_dir: Path, *processes: str, devices: int = 1) -> subprocess.Popen:
+def start(output_dir: Path, cache_dir: Path, *processes: str, devices: int = 1, overrides: tuple[str, ...] = (),
+          output=subprocess.PIPE) -> subprocess.Popen:  # fmt: skip
     env = dict(os.environ, XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu",
                JAX_COMPILATION_CACHE_DIR=str(cache_dir), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")  # fmt: skip
-    command = [sys.executable, "-m", "sao_jax.cli", *processes, f"output_dir={output_dir}", *TINY_RUN]
-    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    command = [sys.executable, "-m", "sao_jax.cli", *processes, f"output_dir={output_dir}", *TINY_RUN, *overrides]
+    return subprocess.Popen(command, cwd=REPO_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, text=True)
 
 
 def finish(runs: list[subprocess.Popen]) -> list[str]:
@@ -171,6 +174,47 @@ def test_two_processes_stream_rollouts_asynchronously_and_log_identical_metrics(
         assert line["async/trajectories_per_s"] > 0
         assert 0 <= line["async/staleness_mean"] <= 1
     assert sorted(int(p.name) for p in (run / "checkpoints").iterdir() if p.name.isdigit()) == [0, 1, 2]
+
+
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_stops_both_after_the_same_step_saved(tmp_path, cache):
+    """Only process 1 gets SIGTERM: both finish the same step, save it together and exit 143, each
+    with its one line (`StopRequests.agreed` gathers the processes' flags every step)."""
+    out, port = tmp_path / "run", free_port()
+    logs = [(tmp_path / f"process_{i}.log").open("w") for i in range(2)]  # a pipe nobody reads yet would fill
+    runs = [start(out, cache, "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i),
+                  overrides=("train.steps=8", "train.checkpoint_every=8", "train.eval_every=8"), output=logs[i])
+            for i in range(2)]  # fmt: skip
+    deadline = time.monotonic() + TIMEOUT_S
+    while not any(line.get("step") == 1 for line in read_lines(out / "process_1" / "metrics.jsonl")):
+        assert all(run.poll() is None for run in runs) and time.monotonic() < deadline, "run did not reach step 1"
+        time.sleep(0.02)
+    runs[1].send_signal(signal.SIGTERM)
+    try:
+        for run in runs:
+            run.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        for run in runs:
+            run.kill()
+        pytest.fail("the processes did not stop within 120 s of SIGTERM")
+    for log in logs:
+        log.close()
+    outputs = [(tmp_path / f"process_{i}.log").read_text() for i in range(2)]
+    step = metric_lines(out / "metrics.jsonl")[-1]["step"]
+    for run, output in zip(runs, outputs):
+        assert run.returncode == 143 and "Traceback" not in output, output[-4000:]
+        assert f"interrupted by SIGTERM at step {step}; saved; resume with --resume" in output.splitlines()
+    assert 1 <= step < 8 and metric_lines(out / "process_1" / "metrics.jsonl") == metric_lines(out / "metrics.jsonl")
+    assert sorted(int(p.name) for p in (out / "checkpoints").iterdir() if p.name.isdigit()) == [0, step]
+
+
+def read_lines(path: Path) -> list[dict]:
+    """The complete JSON lines of a metrics file being written (none while it does not exist)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in text.splitlines(keepends=True) if line.endswith("\n")]
 
 
 def test_one_process_uses_all_its_accelerator_chips_but_not_its_fake_cpu_devices(monkeypatch):
