@@ -12,7 +12,7 @@ import time
 import pytest
 import yaml
 
-from sao_jax.config import load_config, to_dict
+from sao_jax.config import ConfigError, load_config, to_dict
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -54,6 +54,10 @@ def plain(config):
 
 @pytest.mark.parametrize("path", _config_params(sorted(CONFIGS.rglob("*.yaml"))))
 def test_every_config_file_loads(path):
+    if path.parent.name == "scaffold":  # the model folder comes from the command line (README, "Agent scaffolds")
+        with pytest.raises(ConfigError, match="^model.pretrained must name a Hugging Face folder"):
+            load_config(path)
+        return
     load_config(path)
 
 

@@ -256,14 +256,14 @@ def run_critic_warmup(run: Run, state, graphs, critic_warmup_step, rollout_loop:
     config = run.config
     if config.critic.warmup_steps == 0 or ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None:
         return state
-    weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, CRITIC_WARMUP_STREAM])
     base_key = jax.random.key(config.seed + CRITIC_WARMUP_STREAM)
     batch_size = config.train.batch_size
     for i in tqdm(range(config.critic.warmup_steps), desc="critic warmup", leave=False):
         prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), batch_size)]
         rollout_key, step_key = jax.random.split(jax.random.fold_in(base_key, i))
-        kept, failed = usable(rollout_loop.rollout((weights, 0), prompts, rollout_key))
+        # The policy's weights from this step's state: each step donates the state it is given.
+        kept, failed = usable(rollout_loop.rollout((policy_weights(state, graphs), 0), prompts, rollout_key))
         if not kept:
             writer.write(0, {"stage": "critic_warmup", "critic_warmup/step": i, "critic_warmup/failed_rollouts": failed})
             continue

@@ -201,6 +201,8 @@ def test_safe_eval_matches_python_on_allowed_expressions(expression):
 
 def test_registry_builds_every_environment_and_names_close_matches():
     for name, cls in ENVIRONMENTS.items():
+        if name == "scaffold":  # its episodes are the scaffold's own, not stepped (tests/rollout/test_server.py)
+            continue
         env = make_env(name)
         prompt = cls.generate_prompts(np.random.default_rng(0), 1)[0]
         assert env.reset(prompt) == prompt.text and env.max_turns >= 1
