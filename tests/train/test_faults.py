@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.test_metrics import tensorboard_curves
+from tests.train.test_multiprocess import PATIENT_STOP
 from tests.train.test_resume import TINY_RUN, algorithm_metrics, count_lines, environment
 
 FAULT_RUN = [*TINY_RUN, "sft.steps=5", "critic.pretrain_rollouts=8", "train.steps=6", "train.eval_every=3",
@@ -41,8 +42,8 @@ def kill_when(output_dir, env, ready, *extra):
     """Start `--resume`, SIGKILL it as soon as `ready(stderr_path)` holds (or it ends by itself)."""
     log = output_dir.parent / f"{output_dir.name}.{time.monotonic_ns()}.stderr"
     with log.open("w") as stderr:
-        process = subprocess.Popen(command(output_dir, "--resume", *extra), env=env, stdout=subprocess.DEVNULL,
-                                   stderr=stderr)  # fmt: skip
+        process = subprocess.Popen(command(output_dir, "--resume", *PATIENT_STOP, *extra), env=env,
+                                   stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
         deadline = time.monotonic() + 300
         while not ready(log) and process.poll() is None:
             assert time.monotonic() < deadline, "run did not progress"
@@ -295,8 +296,8 @@ def signal_when(output_dir, env, signum, ready, *extra):
     """`--resume` sent `signum` as soon as `ready()` holds; (exit status, stderr)."""
     log = output_dir.parent / f"{output_dir.name}.{time.monotonic_ns()}.stderr"
     with log.open("w") as stderr:
-        process = subprocess.Popen(command(output_dir, "--resume", *extra), env=env, stdout=subprocess.DEVNULL,
-                                   stderr=stderr)  # fmt: skip
+        process = subprocess.Popen(command(output_dir, "--resume", *PATIENT_STOP, *extra), env=env,
+                                   stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
         deadline = time.monotonic() + 300
         while not ready() and process.poll() is None:
             assert time.monotonic() < deadline, "run did not progress"
@@ -391,7 +392,7 @@ def test_async_sigterm_stops_the_rollout_threads_saves_and_resume_continues_the_
     stream's position, the prompts in flight are counted in the one line, and the resumed engine starts
     at that position, trains on none of the prompts trained on before, and ends the run."""
     out, record = tmp_path / "run", tmp_path / "record.jsonl"
-    trainer = recording_trainer(out, record, "train.checkpoint_every=6")
+    trainer = recording_trainer(out, record, "train.checkpoint_every=6", *PATIENT_STOP)
     log = tmp_path / "interrupted.stderr"
     with log.open("w") as stderr:
         interrupted = subprocess.Popen(trainer, env=finished[1], stdout=subprocess.DEVNULL, stderr=stderr)
