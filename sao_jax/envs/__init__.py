@@ -18,6 +18,7 @@ from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.envs.repair import RepairEnv
 from sao_jax.envs.style_shift import StyleSchedule, StyleShiftEnv
 from sao_jax.envs.tir import TIREnv
+from sao_jax.envs.topic_style_shift import TopicStyleShiftEnv
 
 ENVIRONMENTS: dict[str, EnvironmentClass] = {
     "calculator": CalculatorEnv,
@@ -27,6 +28,7 @@ ENVIRONMENTS: dict[str, EnvironmentClass] = {
     "repair": RepairEnv,
     "style_shift": StyleShiftEnv,
     "tir": TIREnv,
+    "topic_style_shift": TopicStyleShiftEnv,
 }
 
 

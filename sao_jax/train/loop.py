@@ -26,6 +26,7 @@ from sao_jax import models
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, to_dict
+from sao_jax.diagnostics import ROW_METRICS_PREFIX
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.outputs import OutputMirror, check_writable, free_name, is_url
 from sao_jax.rollout.trajectory import Trajectory, collate
@@ -33,8 +34,8 @@ from sao_jax.train import steps as steps_lib
 from sao_jax.train.advantage_probe import AdvantageProbe
 from sao_jax.train.batches import LockstepBatches, StreamingBatches
 from sao_jax.train.build import INIT_STREAM, Run, build_run, checkpoint_dir, make_optimizers, policy_weights
-from sao_jax.train.evaluation import (evaluate, repair_metrics, rollout_metrics, run_summary, style_metrics,
-                                     tool_metrics)
+from sao_jax.train.evaluation import (evaluate, quality_metrics, repair_metrics, rollout_metrics, run_summary,
+                                     style_advantage_metrics, style_metrics, tool_metrics)
 from sao_jax.train.warm_start import run_sft, run_value_pretraining
 
 log = logging.getLogger(__name__)
@@ -131,6 +132,20 @@ def record_config(out: Path, config: Config, start_step: int) -> None:
         path.write_text(text)
 
 
+def split_row_metrics(metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the scalar metrics, the per-row ones) of a train step's metrics: a key "<model>/rows/<name>"
+    (`diagnostics.ROW_METRICS_PREFIX`) holds one value per batch row and goes to the second dict as
+    "<model>/<name>"."""
+    scalars, rows = {}, {}
+    for key, value in metrics.items():
+        model, _, rest = key.partition("/")
+        if rest.startswith(ROW_METRICS_PREFIX):
+            rows[f"{model}/{rest[len(ROW_METRICS_PREFIX):]}"] = value
+        else:
+            scalars[key] = value
+    return scalars, rows
+
+
 def rl_schedule(config: Config, step: int) -> tuple[bool, bool, bool]:
     """What RL step `step` (1-based) does: (critic-only warmup, evaluate after it, checkpoint after it)."""
     train_cfg = config.train
@@ -178,9 +193,12 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
             warmup, evaluates, checkpoints = rl_schedule(config, step)
             update = steps.critic_warmup_step if warmup else steps.ttur_step
             state, metrics = update(state, batch, jax.random.fold_in(base_key, step))
+            metrics, rows = split_row_metrics(jax.device_get(metrics))
             line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls),
-                    **repair_metrics(kept, "train", run.env_cls),
-                    **style_metrics(kept, schedule), **source_metrics, **jax.device_get(metrics),
+                    **repair_metrics(kept, "train", run.env_cls), **quality_metrics(kept, run.train_prompts, "train"),
+                    **style_metrics(kept, schedule),
+                    **style_advantage_metrics(kept, rows.get("policy/first_action_advantage"), schedule),
+                    **source_metrics, **metrics,
                     "train/critic_warmup": int(warmup),
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
             if evaluates:
