@@ -14,6 +14,10 @@ Each is a pure function of arrays, logged by the train steps (`train.steps`) bes
 * `action_edge_advantages` — the mean advantage on the first token of each action and on its last:
   `policy/advantage_first_action_token`, `policy/advantage_last_action_token`. Bootstrapped token-level
   GAE can put an episode's credit on either end; an outcome baseline gives both the same.
+* `first_action_advantages` — per row, the advantage on its first action token, `[batch]`, returned by
+  the policy update as `policy/rows/first_action_advantage` (`ROW_METRICS_PREFIX`: the loop takes the
+  per-row values out of the metric line and logs what they say per trajectory, e.g. the online
+  experiment's first-action advantage by the style the trajectory wrote).
 
 The advantage's per-token spread over action tokens is `policy/advantage_std` (`advantages.masked_var`).
 """
@@ -100,3 +104,18 @@ def action_edge_advantages(advantages: jax.Array, action_mask: jax.Array) -> dic
         return jnp.sum(jnp.where(mask, advantages, 0.0)) / jnp.maximum(jnp.sum(mask), 1)
 
     return {"advantage_first_action_token": mean(first), "advantage_last_action_token": mean(last)}
+
+
+# Metrics with a value per batch row (`[batch]`, not scalars) carry this prefix after their model's
+# ("policy/rows/..."): the loop takes them out of the metric line before it is written.
+ROW_METRICS_PREFIX = "rows/"
+
+
+def first_action_advantages(advantages: jax.Array, action_mask: jax.Array) -> jax.Array:
+    """`[batch]`: each row's advantage on its first action token (the first True of `action_mask`);
+    0 for a row without actions. In a one-turn task whose first token is the style marker, the push
+    the update gives that row's style choice."""
+    action = action_mask.astype(bool)
+    first = jnp.argmax(action, axis=1)
+    value = jnp.take_along_axis(advantages, first[:, None], axis=1)[:, 0]
+    return jnp.where(jnp.any(action, axis=1), value, 0.0)

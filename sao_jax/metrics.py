@@ -142,7 +142,7 @@ def truncate_after(path: str | Path, step: int) -> int:
 
 # Which metrics each plot shows: (file name, title, panels). A panel is (metrics, label), its metrics
 # one key, a tuple of keys (one line each), or a prefix ending in "/" (every key under it, one line
-# each, on a log scale: the gradient norms of the module groups span decades).
+# each; the gradient norms' on a log scale: the module groups span decades).
 PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...] = (
     ("reward.png", "Reward and held-out success",
      (("train/reward_mean", "train reward"), ("eval/success_rate", "held-out success"),
@@ -168,7 +168,20 @@ PLOTS: tuple[tuple[str, str, tuple[tuple[str | tuple[str, ...], str], ...]], ...
                                                         "RMSE, and the spread of the Monte-Carlo advantages"))),
     ("staleness.png", "Asynchrony, or sync mode's policy lag",
      (("async/staleness_mean", "mean staleness"), ("async/queue_depth", "queue depth"))),
+    ("styles.png", "Online experiment: the style written, its first-action advantage, the quality check",
+     (("train/style_share/", "share of each style (train)"),
+      ("train/first_action_advantage/", "advantage at the first action token, by the style written"),
+      ("train/quality_rate/", "quality check met, per level (train)"),
+      ("eval/quality_rate/", "quality check met, per level (held-out)"))),
 )  # fmt: skip
+# The online experiment logs the rewarded style per RL step: every plot marks its switches (dashed).
+TARGET_STYLE_KEY = "train/target_style"
+
+
+def style_switches(lines: list[Mapping[str, Any]]) -> list[int]:
+    """The steps at which `train/target_style` differs from the step logged before."""
+    logged = sorted((line["step"], line[TARGET_STYLE_KEY]) for line in lines if line.get(TARGET_STYLE_KEY) is not None)
+    return [step for (step, style), (_, before) in zip(logged[1:], logged) if style != before]
 
 
 def _panel_keys(metrics: str | tuple[str, ...], lines: list[Mapping[str, Any]]) -> list[str]:
@@ -204,6 +217,7 @@ def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None =
     output_dir = Path(output_dir)
     lines = list(lines) if lines is not None else read_metrics(output_dir / "metrics.jsonl")
     (output_dir / "plots").mkdir(parents=True, exist_ok=True)
+    switches = style_switches(lines)
     written = []
     for filename, title, panels in PLOTS:
         present = [(keys, metrics, label) for metrics, label in panels if (keys := _panel_keys(metrics, lines))]
@@ -216,6 +230,8 @@ def plot_run(output_dir: str | Path, lines: Iterable[Mapping[str, Any]] | None =
                 steps, values = zip(*points)
                 ax.plot(steps, values, marker="o" if len(points) < 30 else None, markersize=3,
                         label=legend if len(keys) > 1 else None)  # fmt: skip
+            for step in switches:
+                ax.axvline(step, color="k", linestyle="--", linewidth=0.6, alpha=0.6)
             if isinstance(metrics, str) and metrics.endswith("grad_norm/"):
                 ax.set_yscale("symlog", linthresh=1e-6)  # a frozen group's norm is exactly 0
             if len(keys) > 1:

@@ -14,8 +14,10 @@
 Suites (one YAML per row under configs/ablations/<suite>/): table4 (SAO's Table 4 + GRPO+DIS), table5
 (step- vs token-level GAE), chain (Table 4's rows and step-average GAE on the chained calculator, whose
 episodes hold 1-4 tool calls; pre-registered in results/DESIGN.md), online (style switches, SAO vs a
-global running mean), open (skip- vs cross-observation GAE on the guessing game; DIS vs ESTR at a
-matched step-0 masked fraction), repair (skip- vs cross-observation GAE, and frozen vs trained critic
+global running mean), online_hetero (the same over 12 topics of unequal difficulty, where the value
+of a start state depends on the prompt: SAO vs global running means of one batch and of 128), open
+(skip- vs cross-observation GAE on the guessing game; DIS vs ESTR at a matched step-0 masked
+fraction), repair (skip- vs cross-observation GAE, and frozen vs trained critic
 attention, on the chain task whose wrong answer gets a failed test and one repair), offpolicy (on the
 chain task with sync mode's deterministic policy lag L: DIS vs no correction, PPO-clip against the
 rollout, IcePop and ESTR, and DIS at L = 0).
@@ -42,7 +44,10 @@ value pretraining, the critic's attention and expert gradient norms, the masked 
 advantage mean, and at the last evaluation the estimator share and the success per difficulty level.
 Plots: held-out success vs step with 95 % CI bands; gradient norms per module group (critic and
 policy) per step, log scale; online: per-step share of each style with the switches marked, and steps
-to realign; open (b): masked fraction and masked-token entropy per step, DIS vs ESTR.
+to realign; online_hetero also: held-out success per phase and per difficulty level, the critic's
+explained variance around the switches, and the first-action advantage of the old, new and other
+style around the switches (table and plot); open (b): masked fraction and masked-token entropy per
+step, DIS vs ESTR.
 """
 
 from __future__ import annotations
@@ -82,6 +87,13 @@ VALUE_PRETRAIN_STAGE = "value_pretrain"
 CRITIC_WARMUP_KEY = "train/critic_warmup"
 GRAD_NORM_GROUPS = ("attention", "experts", "router", "value_head", "dense_mlp", "embeddings_norms")
 LEVEL_PREFIX = SUCCESS_KEY + "/level_"  # held-out success per difficulty level (`difficulty_metrics`)
+# Online experiment over topics (`topic_style_shift`): the share of texts meeting the quality check per
+# level (`quality_metrics`), and per RL step the mean advantage on the first action token (the style
+# choice) of the trajectories that wrote each style (`style_advantage_metrics`).
+QUALITY_LEVEL_PREFIX = "eval/quality_rate/level_"
+FIRST_ACTION_ADVANTAGE_PREFIX = "train/first_action_advantage/"
+SWITCH_WINDOW = 5  # steps before / from a switch over which the critic's explained variance is averaged
+ADVANTAGE_WINDOW = 10  # steps before / from a switch over which the first-action advantage is averaged
 
 
 # ----------------------------------------------------------------------------------- the suites
@@ -105,6 +117,9 @@ class Comparison:
     paper_columns: tuple[str, ...] = ()
     per_step: tuple[tuple[str, str], ...] = ()  # extra per-step curves: (metric key, label)
     styles: bool = False  # the online experiment's style shares and realignment
+    # The online experiment's tables per phase and around switches (held-out success per phase and per
+    # level, critic EV around switches, first-action advantage by style) and its aligned plot.
+    switches: bool = False
     pretraining_curve: bool = False  # value-pretraining corpus size → critic EV → success, one point per row
     # Extra diagnostic columns, each the mean over RL steps of one metric: (key, header, definition, scale).
     rl_means: tuple[tuple[str, str, str, float], ...] = ()
@@ -185,6 +200,15 @@ SUITES: dict[str, Suite] = {
         (Row("sao", "SAO"), Row("running_mean", "running mean (global, 128)")), styles=True,
         per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
                   ("policy/advantage_first_action_token", "advantage at the first action token (the style choice)"),
+                  ("policy/kl_to_reference", "KL to the warm start")),
+    ),), quick_overrides=("env.options.switches=[[0, cute], [2, chuunibyou], [4, classical]]",)),
+    "online_hetero": Suite((Comparison(
+        "success", "Online style shift over topics of unequal difficulty: SAO vs running-mean baselines", "sao",
+        (Row("sao", "SAO"), Row("running_mean_batch", "running mean (global, one batch = 32)"),
+         Row("running_mean_128", "running mean (global, 128)")), styles=True, switches=True,
+        per_step=(("critic/before_updates/explained_variance", "critic explained variance before updates"),
+                  ("policy/advantage_first_action_token", "advantage at the first action token (the style choice)"),
+                  ("train/quality_rate", "share of texts meeting the quality check"),
                   ("policy/kl_to_reference", "KL to the warm start")),
     ),), quick_overrides=("env.options.switches=[[0, cute], [2, chuunibyou], [4, classical]]",)),
     "open": Suite((
@@ -661,6 +685,11 @@ def _fmt(mean: float, half: float, scale: float = 100.0) -> str:
     return f"{scale * mean:.1f} ± {scale * half:.1f}"
 
 
+def _fmt_number(mean: float, half: float, spec: str) -> str:
+    """mean ± half-width unscaled, in `spec` (the mean alone without an interval)."""
+    return f"{mean:{spec}}" if math.isnan(half) else f"{mean:{spec}} ± {half:{spec}}"
+
+
 def _sign(x: float) -> int:
     return (x > 0) - (x < 0)
 
@@ -1011,6 +1040,257 @@ def plot_pretraining_curve(comparison: Comparison, runs: Mapping[str, Mapping[in
     return path
 
 
+def phases(lines: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The run's phases of one rewarded style: the first from step 0 (the evaluation before RL is
+    judged against the first style), then one per switch (`realignment`); each {"start", "end"
+    (exclusive; None for the last), "style", "previous" (the style rewarded before; None for the first)}."""
+    switches = realignment(lines)
+    first = next((line for line in sorted((l for l in lines if l.get(TARGET_STYLE_KEY) is not None),
+                                          key=lambda l: l["step"])), None)  # fmt: skip
+    if first is None:
+        return []
+    starts = [(0, first[TARGET_STYLE_KEY], None)]
+    for found in switches:
+        starts.append((found["switch_step"], found["style"], starts[-1][1]))
+    return [{"start": start, "end": starts[k + 1][0] if k + 1 < len(starts) else None, "style": style,
+             "previous": previous} for k, (start, style, previous) in enumerate(starts)]  # fmt: skip
+
+
+def in_phase(step: float, phase: Mapping[str, Any]) -> bool:
+    return step >= phase["start"] and (phase["end"] is None or step < phase["end"])
+
+
+def phase_evaluations(lines: Sequence[Mapping[str, Any]], key: str = SUCCESS_KEY) -> list[tuple[float, float] | None]:
+    """Per phase (`phases`): `key` at its first and at its last evaluation, None for a phase without one."""
+    points = sorted((line["step"], line[key]) for line in lines if line.get(SUCCESS_KEY) is not None
+                    and line.get(key) is not None)  # fmt: skip
+    out = []
+    for phase in phases(lines):
+        inside = [value for step, value in points if in_phase(step, phase)]
+        out.append((inside[0], inside[-1]) if inside else None)
+    return out
+
+
+def phase_success_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
+    """Held-out success per phase: at the phase's first evaluation (just after its switch: how much of
+    the new style the policy still had) and at its last (how far it realigned), mean ± 95 % CI over
+    seeds; then per difficulty level, the held-out success at the phases' last evaluations (mean over
+    the phases, then over seeds) and the share of texts meeting the quality check at the first
+    evaluation and the last."""
+    reference = next((lines for by_seed in runs.values() for lines in by_seed.values() if phases(lines)), None)
+    if reference is None:
+        return []
+    shown = phases(reference)
+    header = ["row", *(f"{p['style']} from step {p['start']}" for p in shown)]
+    text = ["Held-out success % per phase (evaluated against the phase's style): at the phase's first evaluation "
+            "→ at its last, mean over seeds, ± the 95 % CI of the last:", "",
+            "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    for row in comparison.rows:
+        per_run = [phase_evaluations(lines) for lines in runs.get(row.name, {}).values()]
+        cells = [row.label]
+        for k in range(len(shown)):
+            got = [found[k] for found in per_run if len(found) > k and found[k] is not None]
+            if not got:
+                cells.append("—" if per_run else "not run")
+                continue
+            first, (last, half) = float(np.mean([g[0] for g in got])), mean_ci95([g[1] for g in got])
+            cells.append(f"{100 * first:.1f} → {_fmt(last, half)}")
+        text.append("| " + " | ".join(cells) + " |")
+    levels = sorted({k[len(QUALITY_LEVEL_PREFIX):] for by_seed in runs.values() for lines in by_seed.values()
+                     for line in lines for k in line if k.startswith(QUALITY_LEVEL_PREFIX)}, key=int)  # fmt: skip
+    if not levels:
+        return text
+    header = ["row", *(f"level {d}: success at phase ends" for d in levels),
+              *(f"level {d}: quality start → end" for d in levels)]  # fmt: skip
+    text += ["", "Per difficulty level (the topics' levels): held-out success % at the phases' last evaluations "
+             "(mean over the phases, then mean ± 95 % CI over seeds), and the held-out share of texts meeting the "
+             "quality check % at the first evaluation → the last (mean over seeds): the levels stay unequal, or "
+             "the task lost what a state-dependent baseline could know.", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]  # fmt: skip
+    for row in comparison.rows:
+        by_seed = list(runs.get(row.name, {}).values())
+        if not by_seed:
+            text.append(f"| {row.label} | " + " | ".join(["not run"] * (len(header) - 1)) + " |")
+            continue
+        cells = [row.label]
+        for d in levels:
+            found = [[p[1] for p in phase_evaluations(lines, f"{LEVEL_PREFIX}{d}") if p is not None] for lines in by_seed]
+            ends = [float(np.mean(f)) for f in found if f]
+            cells.append(_fmt(*mean_ci95(ends)) if ends else "—")
+        for d in levels:
+            _, quality = eval_curve_of(by_seed, f"{QUALITY_LEVEL_PREFIX}{d}")
+            cells.append(f"{100 * quality[0]:.1f} → {100 * quality[1]:.1f}" if quality else "—")
+        text.append("| " + " | ".join(cells) + " |")
+    return text
+
+
+def eval_curve_of(runs: Sequence[Sequence[Mapping[str, Any]]], key: str) -> tuple[int, tuple[float, float] | None]:
+    """(runs that log it, (mean over them of `key` at their first evaluation, at their last))."""
+    ends = []
+    for lines in runs:
+        values = [line[key] for line in sorted((l for l in lines if l.get(SUCCESS_KEY) is not None),
+                                               key=lambda l: l["step"]) if line.get(key) is not None]  # fmt: skip
+        if values:
+            ends.append((values[0], values[-1]))
+    if not ends:
+        return 0, None
+    return len(ends), (float(np.mean([e[0] for e in ends])), float(np.mean([e[1] for e in ends])))
+
+
+def aligned_values(lines: Sequence[Mapping[str, Any]], key_of: Callable[[Mapping[str, Any]], str | None],
+                   offsets: Sequence[int]) -> list[dict[int, float]]:
+    """Per switch (`phases` after the first) whose key `key_of(phase)` is not None, {offset: value of
+    that key at step switch + offset}, counting only steps inside the phase before the switch
+    (offset < 0) or the phase it starts (offset ≥ 0) and RL lines that log the key."""
+    by_step = {line["step"]: line for line in rl_lines(lines)}
+    found = phases(lines)
+    out = []
+    for k in range(1, len(found)):
+        key = key_of(found[k])
+        if key is None:
+            continue
+        values = {}
+        for offset in offsets:
+            step = found[k]["start"] + offset
+            value = by_step.get(step, {}).get(key)
+            if in_phase(step, found[k] if offset >= 0 else found[k - 1]) and value is not None:
+                values[offset] = float(value)
+        out.append(values)
+    return out
+
+
+def switch_window_mean(lines: Sequence[Mapping[str, Any]], key_of, offsets: Sequence[int]) -> float | None:
+    """A run's mean over its switches of the mean over the window of `aligned_values` (switches with no
+    value in it left out); None when none has one."""
+    means = [float(np.mean(list(values.values()))) for values in aligned_values(lines, key_of, offsets) if values]
+    return float(np.mean(means)) if means else None
+
+
+def critic_switch_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]],
+                        warmups: Mapping[str, Mapping[int, int]]) -> list[str]:  # fmt: skip
+    """The critic's explained variance before its updates around the switches: the mean over the
+    `SWITCH_WINDOW` steps before each switch and over the `SWITCH_WINDOW` steps from it (each averaged
+    over the run's switches), and the run's median after the critic warmup; mean ± 95 % CI over seeds.
+    [] when no run logs it (critic-free rows only)."""
+    columns = ((f"{SWITCH_WINDOW} steps before each switch", lambda lines, _: switch_window_mean(
+                   lines, lambda _: EV_BEFORE_KEY, range(-SWITCH_WINDOW, 0))),
+               (f"{SWITCH_WINDOW} steps from each switch", lambda lines, _: switch_window_mean(
+                   lines, lambda _: EV_BEFORE_KEY, range(SWITCH_WINDOW))),
+               ("run median after the warmup", lambda lines, warmup: median_after_warmup(lines, EV_BEFORE_KEY, warmup)))  # fmt: skip
+    cells = {}
+    for row in comparison.rows:
+        found = [(lines, warmups.get(row.name, {}).get(seed, 0)) for seed, lines in runs.get(row.name, {}).items()]
+        for header, statistic in columns:
+            values = [v for v in (statistic(lines, warmup) for lines, warmup in found) if v is not None]
+            cells[(row.name, header)] = _fmt_number(*mean_ci95(values), ".2f") if values else None
+    if all(v is None for v in cells.values()):
+        return []
+    text = ["Critic explained variance before its updates, around the switches: mean over the "
+            f"{SWITCH_WINDOW} steps before each switch and over the {SWITCH_WINDOW} steps from it (each averaged "
+            "over the run's switches), and the run's median; mean ± 95 % CI over seeds:", "",
+            "| row | " + " | ".join(h for h, _ in columns) + " |", "|" + "---|" * (len(columns) + 1)]  # fmt: skip
+    for row in comparison.rows:
+        text.append(f"| {row.label} | " + " | ".join(cells[(row.name, h)] or "—" for h, _ in columns) + " |")
+    return text
+
+
+# The styles whose first-action advantage the switch tables follow: the one rewarded before the switch
+# ("old"), the one rewarded after it ("new"), and the remaining one ("other").
+SWITCH_ROLES = ("old", "new", "other")
+STYLE_NAMES = ("cute", "chuunibyou", "classical")  # `sao_jax.envs.judges.STYLES`, without importing the package
+
+
+def role_style(phase: Mapping[str, Any], role: str) -> str | None:
+    """The style of `role` at the switch that starts `phase`."""
+    if role == "old":
+        return phase["previous"]
+    if role == "new":
+        return phase["style"]
+    rest = [s for s in STYLE_NAMES if s not in (phase["style"], phase["previous"])]
+    return rest[0] if len(rest) == 1 else None
+
+
+def role_key(role: str) -> Callable[[Mapping[str, Any]], str | None]:
+    def key_of(phase):
+        style = role_style(phase, role)
+        return None if style is None else FIRST_ACTION_ADVANTAGE_PREFIX + style
+
+    return key_of
+
+
+def first_action_advantage_table(comparison: Comparison, runs: Mapping[str, Mapping[int, list]]) -> list[str]:
+    """The mean advantage on the first action token (the style choice) of the trajectories that wrote
+    the old, the new and the other style, over the `ADVANTAGE_WINDOW` steps before each switch and the
+    `ADVANTAGE_WINDOW` steps from it (averaged over the run's switches, then mean ± 95 % CI over
+    seeds); [] when no run logs it."""
+    windows = (("before", range(-ADVANTAGE_WINDOW, 0)), ("after", range(ADVANTAGE_WINDOW)))
+    columns = [(role, when, offsets) for when, offsets in windows for role in SWITCH_ROLES]
+    cells = {}
+    for row in comparison.rows:
+        for role, when, offsets in columns:
+            values = [v for lines in runs.get(row.name, {}).values()
+                      if (v := switch_window_mean(lines, role_key(role), offsets)) is not None]  # fmt: skip
+            cells[(row.name, role, when)] = _fmt_number(*mean_ci95(values), ".3f") if values else None
+    if all(v is None for v in cells.values()):
+        return []
+    header = [f"{role} style, {ADVANTAGE_WINDOW} steps " + ("before the switch" if when == "before" else "from it")
+              for role, when, _ in columns]
+    text = ["First-action advantage by style (the mechanism of §4.5: after a switch the old style's choice should "
+            "get a negative push and the new style's a positive one): the mean advantage on the first action "
+            "token of the step's trajectories that wrote the style rewarded before the switch (old), after it "
+            f"(new), or the third (other), over the {ADVANTAGE_WINDOW} steps before each switch and the "
+            f"{ADVANTAGE_WINDOW} from it, averaged over the run's switches; mean ± 95 % CI over seeds:", "",
+            "| row | " + " | ".join(header) + " |", "|" + "---|" * (len(header) + 1)]  # fmt: skip
+    for row in comparison.rows:
+        text.append(f"| {row.label} | " + " | ".join(cells[(row.name, r, w)] or "—" for r, w, _ in columns) + " |")
+    return text
+
+
+def plot_switch_advantages(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], folder: Path) -> Path | None:
+    """OUT/<suite>/first_action_advantage.png: one panel per row, the first-action advantage of the
+    old, new and other style against the steps since a switch (mean over the run's switches, then
+    over seeds, 95 % band over seeds); None when no run logs it."""
+    import matplotlib.pyplot as plt
+
+    span = max((p["end"] - p["start"] for by_seed in runs.values() for lines in by_seed.values()
+                for p in phases(lines) if p["end"] is not None), default=0)  # fmt: skip
+    offsets = list(range(-ADVANTAGE_WINDOW, span))
+    drawn = False
+    fig, axes = plt.subplots(1, len(comparison.rows), figsize=(6 * len(comparison.rows), 3.8), squeeze=False)
+    for ax, row in zip(axes[0], comparison.rows):
+        seeds = list(runs.get(row.name, {}).values())
+        for i, role in enumerate(SWITCH_ROLES):
+            per_run = []  # per run: {offset: mean over its switches}
+            for lines in seeds:
+                by_offset: dict[int, list[float]] = {}
+                for switch in aligned_values(lines, role_key(role), offsets):
+                    for offset, value in switch.items():
+                        by_offset.setdefault(offset, []).append(value)
+                per_run.append({o: float(np.mean(v)) for o, v in by_offset.items()})
+            steps = [o for o in offsets if sum(o in r for r in per_run) >= 1]
+            if not steps:
+                continue
+            stats = [mean_ci95([r[o] for r in per_run if o in r]) for o in steps]
+            _band(ax, np.asarray(steps, float), *(np.asarray(v, float) for v in zip(*stats)), f"{role} style",
+                  color=f"C{i}")
+            drawn = True
+        ax.axvline(0, color="k", linestyle="--", linewidth=0.8)
+        ax.axhline(0, color="grey", linewidth=0.6)
+        ax.set(title=f"{row.label} (n={len(seeds)})", xlabel="steps since the switch", ylabel="first-action advantage")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    if not drawn:
+        plt.close(fig)
+        return None
+    fig.suptitle("Advantage on the first action token (the style choice) by the style written, around the switches")
+    fig.tight_layout()
+    path = folder / "first_action_advantage.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def _band(ax, steps, mean, half, label, color=None):
     (line,) = ax.plot(steps, mean, label=label, color=color)
     if len(half) and not np.all(np.isnan(half)):
@@ -1043,6 +1323,10 @@ def plot_comparison(comparison: Comparison, runs: Mapping[str, Mapping[int, list
     plt.close(fig)
     if comparison.styles:
         written.append(_plot_styles(comparison, runs, folder))
+    if comparison.switches:
+        advantages = plot_switch_advantages(comparison, runs, folder)
+        if advantages is not None:
+            written.append(advantages)
     grad_norms = plot_grad_norms(comparison, runs, folder)
     if grad_norms is not None:
         written.append(grad_norms)
@@ -1184,6 +1468,10 @@ def write_report(suite_name: str, out: Path) -> Path:
             text += ["", *table] if table else []
         if comparison.styles:
             text += ["", *realignment_table(comparison, runs)]
+        if comparison.switches:
+            for table in (phase_success_table(comparison, runs), critic_switch_table(comparison, runs, warmups),
+                          first_action_advantage_table(comparison, runs)):  # fmt: skip
+                text += ["", *table] if table else []
         plots = plot_comparison(comparison, runs, out / suite_name)
         if comparison.pretraining_curve and (curve := plot_pretraining_curve(comparison, runs, out, suite_name)):
             plots.append(curve)

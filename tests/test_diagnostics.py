@@ -101,3 +101,10 @@ def test_action_edge_advantages_by_hand():
     assert float(got["advantage_last_action_token"]) == pytest.approx((3 + 5 + 6) / 3)
     empty = diagnostics.action_edge_advantages(advantages, jnp.zeros_like(action))
     assert float(empty["advantage_first_action_token"]) == 0.0 and float(empty["advantage_last_action_token"]) == 0.0
+
+
+def test_first_action_advantages_read_each_rows_first_action_token():
+    # row 0: its first action starts at position 1 (a second action later); row 1 at 3; row 2 has none
+    advantages = jnp.array([[9.0, 1.0, 2.0, 9.0, 4.0], [9.0, 9.0, 9.0, 6.0, 7.0], [5.0, 5.0, 5.0, 5.0, 5.0]])
+    action = jnp.array([[0, 1, 1, 0, 1], [0, 0, 0, 1, 1], [0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(diagnostics.first_action_advantages(advantages, action), [1.0, 6.0, 0.0])

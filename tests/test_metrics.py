@@ -134,3 +134,13 @@ def test_legend_labels_keep_the_components_in_which_keys_differ():
     assert metrics_lib.legend_labels(["critic/grad_norm/attention", "critic/grad_norm/experts"]) == ["attention",
                                                                                                       "experts"]
     assert metrics_lib.legend_labels(["a/x", "b/y/z"]) == ["a/x", "b/y/z"]
+
+
+def test_an_online_run_gets_its_style_plot_and_every_plot_knows_the_switches(tmp_path):
+    targets = ["cute"] * 3 + ["classical"] * 3 + ["cute"] * 2
+    lines = [{"step": s, "train/target_style": t, "train/style_share/cute": 0.5, "train/style_share/classical": 0.4,
+              "train/first_action_advantage/cute": 0.1, "train/first_action_advantage/classical": None,
+              "train/reward_mean": 0.2} for s, t in enumerate(targets, start=1)]  # fmt: skip
+    assert metrics_lib.style_switches(lines) == [4, 7]
+    assert {p.name for p in plot_run(tmp_path, lines)} == {"reward.png", "styles.png"}
+    assert metrics_lib._panel_keys("train/first_action_advantage/", lines) == ["train/first_action_advantage/cute"]

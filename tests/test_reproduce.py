@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from sao_jax.config import ConfigError, load_config, to_dict
+from sao_jax.envs.judges import STYLES
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -101,6 +102,14 @@ ROW_SETTINGS = {
     "online/sao": {"env.name": "style_shift", "advantage.estimator": "skip_observation_gae"},
     "online/running_mean": {"env.name": "style_shift", "advantage.estimator": "running_mean",
                             "advantage.running_mean_scope": "global", "advantage.running_mean_window": 128},
+    "online_hetero/sao": {"env.name": "topic_style_shift", "env.difficulty": [1, 2, 3, 4],
+                          "advantage.estimator": "skip_observation_gae", "loss.kl_coef": 0.3},
+    "online_hetero/running_mean_batch": {"env.name": "topic_style_shift", "advantage.estimator": "running_mean",
+                                         "advantage.running_mean_scope": "global", "advantage.running_mean_window": 32,
+                                         "train.batch_size": 32, "critic.pretrain_rollouts": 0},
+    "online_hetero/running_mean_128": {"env.name": "topic_style_shift", "advantage.estimator": "running_mean",
+                                       "advantage.running_mean_scope": "global", "advantage.running_mean_window": 128,
+                                       "critic.pretrain_rollouts": 0},
     "repair/skip_observation": {"env.name": "repair", "advantage.estimator": "skip_observation_gae"},
     "repair/cross_observation": {"env.name": "repair", "advantage.estimator": "cross_observation_gae"},
     "repair/frozen_unseen": {"env.name": "repair", "env.options.demonstrate_repair": False},
@@ -204,11 +213,33 @@ def test_interaction_is_the_paired_difference_of_differences(tmp_path):
     assert f"| 2 | {100 * mean:+.1f} ± {100 * half:.1f} | no / no |" in line
 
 
-def test_online_schedule_switches_at_least_twice_within_the_run():
-    config = load_config(ABLATIONS / "online" / "sao.yaml")
+@pytest.mark.parametrize("suite", ["online", "online_hetero"])
+def test_online_schedule_switches_at_least_twice_within_the_run(suite):
+    config = load_config(ABLATIONS / suite / "sao.yaml")
     switches = config.env.options["switches"]
     assert len(switches) >= 3 and switches[0][0] == 0
     assert all(step < config.train.steps for step, _ in switches)
+
+
+def test_online_hetero_rows_differ_only_in_the_baseline():
+    rows = {name: flatten(plain(load_config(ABLATIONS / "online_hetero" / f"{name}.yaml")))
+            for name in ("sao", "running_mean_batch", "running_mean_128")}  # fmt: skip
+    differ = lambda a, b: {k for k in rows[a].keys() | rows[b].keys() if rows[a].get(k) != rows[b].get(k)}
+    assert differ("running_mean_batch", "running_mean_128") == {"advantage.running_mean_window"}
+    assert differ("sao", "running_mean_batch") == {"advantage.estimator", "advantage.running_mean_scope",
+                                                   "advantage.running_mean_window", "critic.pretrain_rollouts",
+                                                   "critic.warmup_steps"}  # fmt: skip
+    # The paper's window is one batch: it must follow the batch size.
+    assert rows["running_mean_batch"]["advantage.running_mean_window"] == rows["sao"]["train.batch_size"]
+    # The one-topic online rows' policy settings (the KL floor, the batch, the learning rate) carry over;
+    # the phases are longer (90 steps), the rewarded style cycling through every archetype.
+    online = flatten(plain(load_config(ABLATIONS / "online" / "sao.yaml")))
+    for key in ("loss.kl_coef", "train.batch_size", "policy.optimizer.lr", "rollout.max_action_tokens"):
+        assert rows["sao"][key] == online[key], key
+    switches = rows["sao"]["env.options.switches"]
+    assert [step for step, _ in switches] == list(range(0, rows["sao"]["train.steps"], 90))
+    assert {style for _, style in switches} == set(STYLES)
+    assert reproduce.STYLE_NAMES == STYLES
 
 
 def test_every_suite_row_has_a_config_and_every_ablation_config_is_a_row():
@@ -537,6 +568,78 @@ def test_online_and_keep_rule_reports_from_synthetic_metrics(tmp_path):
     assert (tmp_path / "open" / "keep_rule.png").stat().st_size > 0
 
 
+def hetero_run(folder, *, advantages, ev=None):
+    """A synthetic online_hetero run: cute rewarded on steps 1-12, classical from step 13 (one switch);
+    held-out evaluations at 0, 6, 12 (the cute phase) and 18, 24 (the classical phase), two levels;
+    `advantages`: (cute, classical, chuunibyou) first-action advantages before the switch and after;
+    `ev`: the critic's explained variance before its updates on steps 8-12 and 13-17 (0.5 elsewhere)."""
+    evals = [(0, 0.3), (6, 0.5), (12, 0.7), (18, 0.2), (24, 0.6)]
+    lines = []
+    for step, success in evals:
+        lines.append({"step": step, "eval/success_rate": success, "eval/success_rate/level_1": success + 0.2,
+                      "eval/success_rate/level_2": success - 0.2, "eval/quality_rate/level_1": 0.8 + step / 240,
+                      "eval/quality_rate/level_2": 0.1})  # fmt: skip
+    for step in range(1, 25):
+        after = step >= 13
+        line = {"step": step, "train/target_style": "classical" if after else "cute",
+                "train/style_share/classical": 0.9 if step >= 15 else 0.1, "train/style_share/cute": 0.1}
+        for style, (before_value, after_value) in zip(("cute", "classical", "chuunibyou"), advantages):
+            value = after_value if after else before_value
+            line[f"train/first_action_advantage/{style}"] = value
+        if ev is not None:
+            line["critic/before_updates/explained_variance"] = ev[0] if 8 <= step <= 12 else ev[1] if 13 <= step <= 17 else 0.5
+        lines.append(line)
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (folder / "summary.json").write_text("{}")
+
+
+def test_online_hetero_report_per_phase_around_switches_and_by_style(tmp_path):
+    for seed in range(2):
+        hetero_run(tmp_path / "online_hetero" / "sao" / f"seed{seed}",
+                   advantages=((0.1, -0.4), (-0.2, 0.3), (None, -0.1)), ev=(0.8, -1.0))
+        hetero_run(tmp_path / "online_hetero" / "running_mean_batch" / f"seed{seed}",
+                   advantages=((0.1, -0.2 - 0.1 * seed), (-0.2, 0.3), (None, -0.1)))
+    report = reproduce.write_report("online_hetero", tmp_path).read_text()
+    header, phase = markdown_table(report, "row | cute from step 0")
+    assert header == ["row", "cute from step 0", "classical from step 13"]
+    assert phase == {"SAO": ["30.0 → 70.0 ± 0.0", "20.0 → 60.0 ± 0.0"],
+                     "running mean (global, one batch = 32)": ["30.0 → 70.0 ± 0.0", "20.0 → 60.0 ± 0.0"],
+                     "running mean (global, 128)": ["not run", "not run"]}  # fmt: skip
+    # Level 1 at the phase ends: (0.9 + 0.8) / 2; level 2: (0.5 + 0.4) / 2. Quality: 0.8 → 0.9 and 0.1 → 0.1.
+    _, levels = markdown_table(report, "row | level 1: success at phase ends")
+    assert levels["SAO"] == ["85.0 ± 0.0", "45.0 ± 0.0", "80.0 → 90.0", "10.0 → 10.0"]
+    # EV: steps 8-12 before the switch, 13-17 from it; the median of 5 × −1, 14 × 0.5, 5 × 0.8 is 0.5.
+    _, critic = markdown_table(report, "row | 5 steps before each switch")
+    assert critic == {"SAO": ["0.80 ± 0.00", "-1.00 ± 0.00", "0.50 ± 0.00"],
+                      "running mean (global, one batch = 32)": ["—", "—", "—"],
+                      "running mean (global, 128)": ["—", "—", "—"]}  # fmt: skip
+    header, advantage = markdown_table(report, "row | old style, 10 steps before the switch")
+    assert header[1:] == [f"{role} style, 10 steps {when}" for when in ("before the switch", "from it")
+                          for role in ("old", "new", "other")]  # fmt: skip
+    assert advantage["SAO"] == ["0.100 ± 0.000", "-0.200 ± 0.000", "—", "-0.400 ± 0.000", "0.300 ± 0.000",
+                                "-0.100 ± 0.000"]  # fmt: skip
+    # Seeds 0 and 1 of the running mean: old style after the switch −0.2 and −0.3, t_{0.975,1} · s/√2 = 0.635.
+    assert advantage["running mean (global, one batch = 32)"][3] == "-0.250 ± 0.635"
+    assert advantage["running mean (global, 128)"] == ["—"] * 6
+    # Steps to realign: classical holds ≥ 50 % from step 15, two steps after its switch.
+    assert "2.0 ± 0.0 (2/2 realigned)" in report
+    for plot in ("style_share.png", "first_action_advantage.png", "success.png"):
+        assert (tmp_path / "online_hetero" / plot).stat().st_size > 0
+
+
+def test_phases_start_with_the_first_style_at_step_0_and_one_per_switch():
+    lines = style_lines(["cute"] * 3 + ["classical"] * 2 + ["chuunibyou"] * 2, [{"cute": 1.0}] * 7)
+    assert reproduce.phases(lines) == [{"start": 0, "end": 4, "style": "cute", "previous": None},
+                                       {"start": 4, "end": 6, "style": "classical", "previous": "cute"},
+                                       {"start": 6, "end": None, "style": "chuunibyou", "previous": "classical"}]  # fmt: skip
+    assert reproduce.role_style(reproduce.phases(lines)[2], "other") == "cute"
+    values = [dict(line, x=float(line["step"])) for line in lines]
+    # Offsets −2..1 around the switch at 4 stay inside the phases either side of it (3 < 4 and 4, 5 < 6).
+    assert reproduce.aligned_values(values, lambda phase: "x", range(-2, 2)) == [
+        {-2: 2.0, -1: 3.0, 0: 4.0, 1: 5.0}, {-2: 4.0, -1: 5.0, 0: 6.0, 1: 7.0}]
+
+
 # --------------------------------------------------------------------------------- running suites
 
 
@@ -643,7 +746,8 @@ def test_quick_run_of_the_estr_row_calibrates_tau_trains_and_reports(tmp_path):
     ("chain", "sao", "[1,4]", "critic/before_updates/explained_variance"),
     ("repair", "frozen_unseen", "[1]", "train/failed_test_share"),
     ("online", "sao", "[1]", "policy/kl_to_reference"),
-    ("critic", "running_mean_pool", "[1,4]", "advantage/window_fill")])  # fmt: skip
+    ("critic", "running_mean_pool", "[1,4]", "advantage/window_fill"),
+    ("online_hetero", "sao", "[1,4]", "train/first_action_advantage/cute")])  # fmt: skip
 def test_quick_run_of_a_stress_suites_row_trains_and_reports(tmp_path, suite, row, difficulty, logged):
     """The chain suite's reference row, the repair suite's row whose test is unseen in SFT, and the
     online suite's SAO row (KL penalty toward the warm start), end to end with the real trainer on

@@ -19,6 +19,7 @@ from sao_jax.envs.repair import RepairEnv
 from sao_jax.envs.scaffold import ScaffoldEnv
 from sao_jax.envs.style_shift import StyleSchedule, StyleShiftEnv
 from sao_jax.envs.tir import TIREnv
+from sao_jax.envs.topic_style_shift import TopicStyleShiftEnv
 
 ENVIRONMENTS: dict[str, EnvironmentClass] = {
     "calculator": CalculatorEnv,
@@ -29,6 +30,7 @@ ENVIRONMENTS: dict[str, EnvironmentClass] = {
     "scaffold": ScaffoldEnv,
     "style_shift": StyleShiftEnv,
     "tir": TIREnv,
+    "topic_style_shift": TopicStyleShiftEnv,
 }
 
 

@@ -23,7 +23,7 @@ from sao_jax.data.chat import ChatEnv, ChatFormat, HFTokenizer
 from sao_jax.data.datasets import DatasetError, read_prompt_records
 from sao_jax.data.tokenizers import CharTokenizer
 from sao_jax.envs import Prompt, environment_class
-from sao_jax.envs.style_shift import StyleSchedule
+from sao_jax.envs.style_shift import StyleSchedule, StyleShiftEnv
 from sao_jax.models import sharding
 from sao_jax.optim import adamw, learning_rate_schedule, train_only
 from sao_jax.outputs import join
@@ -242,10 +242,11 @@ def _column(line: str | None, char: str) -> int | None:
 
 
 def env_options(config: Config) -> dict[str, Any]:
-    """The environment constructor's keyword arguments from `env.options`. style_shift's `switches`
-    ([[step, style], ...]) become the one `StyleSchedule` every episode shares (the loop moves it)."""
+    """The environment constructor's keyword arguments from `env.options`. The style-shift tasks'
+    `switches` ([[step, style], ...]) become the one `StyleSchedule` every episode shares (the loop
+    moves it)."""
     options = dict(config.env.options)
-    if config.env.name == "style_shift" and "switches" in options:
+    if issubclass(environment_class(config.env.name), StyleShiftEnv) and "switches" in options:
         options["schedule"] = StyleSchedule(tuple(map(tuple, options.pop("switches"))))
     return options
 

@@ -84,13 +84,53 @@ def style_metrics(trajectories: list[Trajectory], schedule) -> dict[str, Any]:
     return {"train/target_style": schedule.current_style, **shares}
 
 
+NO_STYLE = "none"  # a text with no style marker, or a tie (`judges.style_of` is None)
+
+
+def style_advantage_metrics(trajectories: list[Trajectory], first_action_advantages, schedule) -> dict[str, Any]:
+    """Online experiment: the mean advantage on the first action token (where the style is chosen) of
+    the trajectories that wrote each style, `train/first_action_advantage/<style>` (`none`: no style);
+    None for a style no trajectory of the step wrote. `first_action_advantages[i]` belongs to
+    `trajectories[i]` (the batch's rows in order; padding rows after them)."""
+    if schedule is None or first_action_advantages is None:
+        return {}
+    values = np.asarray(first_action_advantages, np.float64)[: len(trajectories)]
+    styles = [t.info.get("env_info", {}).get("style") or NO_STYLE for t in trajectories]
+    out = {}
+    for style in (*STYLES, NO_STYLE):
+        chose = [v for v, s in zip(values, styles) if s == style]
+        out[f"train/first_action_advantage/{style}"] = float(np.mean(chose)) if chose else None
+    return out
+
+
+def quality_metrics(trajectories: list[Trajectory], prompts, prefix: str) -> dict[str, float]:
+    """Judged tasks (the style-shift family, whose answers report `quality`): the share of trajectories
+    meeting the quality check, `{prefix}/quality_rate`, and per difficulty level
+    `{prefix}/quality_rate/level_<d>` when the prompts span more than one (the topics' pass rates)."""
+    judged = [t for t in trajectories if "quality" in t.info.get("env_info", {})]
+    if not judged:
+        return {}
+    level = {p.id: p.difficulty for p in prompts}
+
+    def rate(group):
+        return float(np.mean([t.info["env_info"]["quality"] for t in group]))
+
+    out = {f"{prefix}/quality_rate": rate(judged)}
+    levels = sorted({level[t.prompt_id] for t in judged})
+    if len(levels) > 1:
+        out |= {f"{prefix}/quality_rate/level_{d}": rate([t for t in judged if level[t.prompt_id] == d])
+                for d in levels}  # fmt: skip
+    return out
+
+
 def evaluate(run: Run, eval_loop: AgentLoop, weights) -> dict[str, float]:
     """Held-out success (outcome reward ≥ 1) with a fixed evaluation key: greedy decoding when
     `env.eval_greedy`, else the rollout sampling settings (temperature 1 by default)."""
     trajectories = eval_loop.rollout((weights, 0), run.eval_prompts, jax.random.key(0))
     return (rollout_metrics(trajectories, "eval") | tool_metrics(trajectories, "eval", run.env_cls)
             | repair_metrics(trajectories, "eval", run.env_cls)
-            | difficulty_metrics(trajectories, run.eval_prompts, "eval"))
+            | difficulty_metrics(trajectories, run.eval_prompts, "eval")
+            | quality_metrics(trajectories, run.eval_prompts, "eval"))
 
 
 def evaluate_checkpoint(config: Config) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from sao_jax.advantages import ADVANTAGE_ESTIMATORS, unassigned_reward
 from sao_jax.checkpoint import CheckpointSaveError, Checkpointer, ResumeError, abstract_state, holds_checkpoints
 from sao_jax.config import Config, to_dict
+from sao_jax.diagnostics import ROW_METRICS_PREFIX
 from sao_jax.metrics import MetricsWriter, plot_run, read_metrics, truncate_after
 from sao_jax.outputs import FolderLock, OutputMirror, check_writable, free_name, is_url
 from sao_jax.rollout.failures import DeadEnvironmentError, FailureTally
@@ -41,8 +42,8 @@ from sao_jax.train import steps as steps_lib
 from sao_jax.train.advantage_probe import AdvantageProbe
 from sao_jax.train.batches import LockstepBatches, PolicyLagRing, StreamingBatches
 from sao_jax.train.build import Run, build_run, checkpoint_dir, make_optimizers, new_critic, policy_weights
-from sao_jax.train.evaluation import (evaluate, repair_metrics, rollout_metrics, run_summary, style_metrics,
-                                     tool_metrics)
+from sao_jax.train.evaluation import (evaluate, quality_metrics, repair_metrics, rollout_metrics, run_summary,
+                                     style_advantage_metrics, style_metrics, tool_metrics)
 from sao_jax.train.signals import Interrupted, StopRequests
 from sao_jax.train.warm_start import run_critic_warmup, run_sft, run_value_pretraining
 
@@ -229,6 +230,20 @@ def lagged_policy(ring: PolicyLagRing | None, step: int, state, graphs):
     return None if ring is None else ring.saved(step, policy_weights(state, graphs))
 
 
+def split_row_metrics(metrics: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the scalar metrics, the per-row ones) of a train step's metrics: a key "<model>/rows/<name>"
+    (`diagnostics.ROW_METRICS_PREFIX`) holds one value per batch row and goes to the second dict as
+    "<model>/<name>"."""
+    scalars, rows = {}, {}
+    for key, value in metrics.items():
+        model, _, rest = key.partition("/")
+        if rest.startswith(ROW_METRICS_PREFIX):
+            rows[f"{model}/{rest[len(ROW_METRICS_PREFIX):]}"] = value
+        else:
+            scalars[key] = value
+    return scalars, rows
+
+
 def rl_schedule(config: Config, step: int) -> tuple[bool, bool]:
     """What RL step `step` (1-based) does after its update: (evaluate, checkpoint)."""
     train_cfg = config.train
@@ -305,9 +320,12 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
                 raise RuntimeError(f"step {step}: reward {lost} sits before the first action token and cannot be credited")
             evaluates, checkpoints = rl_schedule(config, step)
             state, metrics = steps.ttur_step(state, batch, jax.random.fold_in(base_key, step))
+            metrics, rows = split_row_metrics(jax.device_get(metrics))
             line = {**rollout_metrics(kept, "train"), **tool_metrics(kept, "train", run.env_cls),
-                    **repair_metrics(kept, "train", run.env_cls),
-                    **style_metrics(kept, schedule), **source_metrics, **jax.device_get(metrics),
+                    **repair_metrics(kept, "train", run.env_cls), **quality_metrics(kept, run.train_prompts, "train"),
+                    **style_metrics(kept, schedule),
+                    **style_advantage_metrics(kept, rows.get("policy/first_action_advantage"), schedule),
+                    **source_metrics, **metrics,
                     "time/step_s": time.perf_counter() - started}  # fmt: skip
             if evaluates:
                 line |= evaluate(run, eval_loop, policy_weights(state, graphs))

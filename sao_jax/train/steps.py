@@ -41,6 +41,7 @@ from flax import nnx, struct
 from sao_jax import advantages as adv
 from sao_jax import diagnostics, losses, optim
 from sao_jax.config import Config
+from sao_jax.models import sharding
 from sao_jax.rollout.trajectory import TrajectoryBatch
 
 Metrics = dict[str, jax.Array]
@@ -510,6 +511,9 @@ def make_policy_update(graphs: Graphs, policy_tx, config: Config) -> Update:
             "advantage_mean": adv.masked_mean(advantages, action),
             "advantage_std": jnp.sqrt(adv.masked_var(advantages, action, unbiased=False)),
             **diagnostics.action_edge_advantages(advantages, action),
+            # Per row (the loop takes it out of the line): replicated, so every process can read it.
+            diagnostics.ROW_METRICS_PREFIX + "first_action_advantage": sharding.with_logical_constraint(
+                diagnostics.first_action_advantages(advantages, action), (None,)),
             **{f"grad_norm/{group}": norm for group, norm in diagnostics.group_grad_norms(grads).items()},
             **extra,
         }

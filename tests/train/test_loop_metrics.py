@@ -1,4 +1,5 @@
-"""Small pieces of the training loop: per-tool shares and the weak-demonstrator setting."""
+"""Small pieces of the training loop: per-tool shares, the online experiment's per-level quality and
+first-action advantage by style, and the weak-demonstrator setting."""
 
 import types
 
@@ -11,7 +12,7 @@ from sao_jax.envs.calculator import CalculatorEnv, PythonToolEnv
 from sao_jax.envs.guessing import GuessingEnv
 from sao_jax.metrics import MetricsWriter, read_metrics
 from sao_jax.rollout.failures import DeadEnvironmentError
-from sao_jax.train import batches, build, evaluation, warm_start
+from sao_jax.train import batches, build, evaluation, loop, warm_start
 
 
 def _trajectory(env_info):
@@ -48,6 +49,36 @@ def test_success_per_difficulty_level_by_hand():
         "eval/success_rate/level_1": 0.5, "eval/success_rate/level_2": 1.0, "eval/success_rate/level_4": 0.0}
     one_level = [types.SimpleNamespace(id=0, difficulty=3)]
     assert evaluation.difficulty_metrics(trajectories[3:], one_level, "eval") == {}  # nothing beyond the overall rate
+
+
+def test_quality_rate_overall_and_per_level_by_hand():
+    prompts = [types.SimpleNamespace(id=i, difficulty=d) for i, d in enumerate([1, 1, 4, 4, 4])]
+    quality = {0: 1, 1: 1, 2: 0, 3: 1, 4: 0}
+    trajectories = [types.SimpleNamespace(prompt_id=i, info={"env_info": {"quality": quality[i]}}) for i in range(5)]
+    assert evaluation.quality_metrics(trajectories, prompts, "eval") == {
+        "eval/quality_rate": 0.6, "eval/quality_rate/level_1": 1.0, "eval/quality_rate/level_4": 1 / 3}
+    assert evaluation.quality_metrics(trajectories[:2], prompts, "train") == {"train/quality_rate": 1.0}  # one level
+    unjudged = [types.SimpleNamespace(prompt_id=0, info={"env_info": {"tools": ()}})]
+    assert evaluation.quality_metrics(unjudged, prompts, "eval") == {}  # a task without a quality check
+
+
+def test_first_action_advantage_by_style_averages_each_styles_rows_and_ignores_padding():
+    styles = ["cute", "classical", "cute", None]
+    trajectories = [_trajectory({"style": s}) for s in styles]
+    per_row = np.array([0.5, -1.0, 0.25, 2.0, 99.0, 99.0])  # two padding rows after the four real ones
+    schedule = types.SimpleNamespace(current_style="cute")
+    assert evaluation.style_advantage_metrics(trajectories, per_row, schedule) == {
+        "train/first_action_advantage/cute": 0.375, "train/first_action_advantage/chuunibyou": None,
+        "train/first_action_advantage/classical": -1.0, "train/first_action_advantage/none": 2.0}
+    assert evaluation.style_advantage_metrics(trajectories, per_row, None) == {}  # not the online task
+    assert evaluation.style_advantage_metrics(trajectories, None, schedule) == {}  # no policy update this step
+
+
+def test_per_row_metrics_leave_the_line_under_their_model():
+    scalars, rows = loop.split_row_metrics({"policy/loss": 1.0, "policy/rows/first_action_advantage": [1, 2],
+                                            "critic/value_loss": 2.0})  # fmt: skip
+    assert scalars == {"policy/loss": 1.0, "critic/value_loss": 2.0}
+    assert rows == {"policy/first_action_advantage": [1, 2]}
 
 
 def test_calculator_episodes_report_the_tools_they_called():
