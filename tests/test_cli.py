@@ -45,6 +45,10 @@ BAD_INPUTS = {
                                    ["cannot write the folder", "file/run", "output_dir"]),
     "checkpoint folder not writable": ({"file": ""}, ["train.checkpoint_dir={tmp}/file/ckpt"],
                                        ["cannot write the folder", "file/ckpt", "train.checkpoint_dir"]),
+    "env option the environment refuses": ({}, ["env.name=topic_style_shift", "env.options.detail_rates=[0.5]"],
+                                           ["env.options", "topic_style_shift", "detail_rates", "4 probabilities"]),
+    "env option the environment does not take": ({}, ["env.name=style_shift", "env.options.colour=3"],
+                                                 ["env.options", "style_shift", "colour"]),
 }  # fmt: skip
 
 

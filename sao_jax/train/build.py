@@ -101,6 +101,7 @@ def build_run(config: Config) -> Run:
     cluster = Cluster.for_config(config)
     env_cls = environment_class(config.env.name)
     scaffold = scaffold_settings(config)  # a scaffold.entry that does not import: named before anything loads
+    check_env_options(config, env_cls)
     env = config.env
     model = config.model
     if model.pretrained:
@@ -239,6 +240,16 @@ def _column(line: str | None, char: str) -> int | None:
         if found >= 0:
             return found + 1
     return None
+
+
+def check_env_options(config: Config, env_cls) -> None:
+    """Build the environment once from `env.options`: an option it does not take, or a value it refuses
+    (a style schedule that does not start at step 0, detail rates that are not probabilities), stops
+    the run as a `ConfigError` naming `env.options` before anything loads."""
+    try:
+        env_cls(**env_options(config))
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"env.options (env.name={config.env.name}): {e}") from None
 
 
 def env_options(config: Config) -> dict[str, Any]:
