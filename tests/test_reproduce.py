@@ -749,9 +749,11 @@ def test_quick_run_of_the_estr_row_calibrates_tau_trains_and_reports(tmp_path):
     ("critic", "running_mean_pool", "[1,4]", "advantage/window_fill"),
     ("online_hetero", "sao", "[1,4]", "train/first_action_advantage/cute")])  # fmt: skip
 def test_quick_run_of_a_stress_suites_row_trains_and_reports(tmp_path, suite, row, difficulty, logged):
-    """The chain suite's reference row, the repair suite's row whose test is unseen in SFT, and the
-    online suite's SAO row (KL penalty toward the warm start), end to end with the real trainer on
-    tiny budgets: the suite's diagnostics in the metrics, the run in the report."""
+    """The chain suite's reference row, the repair suite's row whose test is unseen in SFT, the online
+    suite's SAO row (KL penalty toward the warm start), the critic suite's running mean on the
+    recurring pool, and the online_hetero suite's SAO row (first-action advantage by style), end to
+    end with the real trainer on tiny budgets: the suite's diagnostics in the metrics, the run in the
+    report."""
     from sao_jax.train.loop import train
 
     path = reproduce.config_file(suite, row)
