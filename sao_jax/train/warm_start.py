@@ -190,7 +190,9 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
-    rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1))
+    with tqdm(total=len(prompts), desc="value-pretraining rollouts", leave=False) as bar:
+        rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1),
+                                        on_trajectory=lambda _: bar.update())  # fmt: skip
     corpus, failed = usable(rollouts)
     check_pretraining_corpus(config, rollouts, len(corpus))
 
