@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -176,7 +177,7 @@ def _workers(pid: int) -> set[tuple[int, str]]:
     found = set()
     for child, started in _descendants(pid):
         try:
-            command = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
+            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
         if b"--serve" in command:
