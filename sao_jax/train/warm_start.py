@@ -158,8 +158,8 @@ def demonstration_probe(run: Run, graph, buffers):
     (prompts of their own stream, or the first of `env.eval_file`); the token where the weaker
     demonstrator would branch off is the free choice left out (`sft.choice_mask`)."""
     config = run.config
-    prompts = prompt_pool(config, run.env_cls, config.env.eval_file, config.sft.probe_prompts, SFT_PROBE_STREAM,
-                         key="env.eval_file")
+    prompts = run.eval_prompts if config.env.eval_file is not None else prompt_pool(
+        config, run.env_cls, None, config.sft.probe_prompts, SFT_PROBE_STREAM, key="env.eval_file")
     prompts = prompts[: config.sft.probe_prompts]
     add_bos = run.chat_format is None
     gold, free = [], []
