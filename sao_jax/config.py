@@ -256,11 +256,18 @@ class EnvConfig:
     # Prompt files (JSONL or Parquet with `prompt`, `answer`): when set they replace the generator.
     train_file: str | None = None
     eval_file: str | None = None
+    # A prompt of those files that cannot be used (malformed, a character outside the tokenizer, longer than
+    # the rollout's or SFT's length): "error" stops the run before any work, naming its file and line;
+    # "skip" leaves it out, counts it (`summary.json`'s `skipped_prompts`) and says so in one line.
+    bad_prompts: str = "error"
     # Keyword arguments of the environment's constructor (e.g. style_shift's `switches`).
     options: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def problems(self) -> list[tuple[str, str]]:
-        return [] if self.name in ENVIRONMENTS else [("name", _not_one_of(self.name, ENVIRONMENTS))]
+        out = [] if self.name in ENVIRONMENTS else [("name", _not_one_of(self.name, ENVIRONMENTS))]
+        if self.bad_prompts not in ("error", "skip"):
+            out.append(("bad_prompts", f"must be error or skip (got {self.bad_prompts!r})"))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)

@@ -106,6 +106,7 @@ def test_every_default_is_in_its_range():
     ("loss.value_clip_eps=-0.1", "loss.value_clip_eps"),
     ("loss.kl_coef=-0.1", "loss.kl_coef"),
     ("seed=-1", "seed"),
+    ("env.bad_prompts=ignore", "env.bad_prompts"),
 ])  # fmt: skip
 def test_values_that_cannot_be_meant_are_refused_naming_the_key(override, key):
     with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be "):
@@ -215,6 +216,8 @@ for _section in ("policy", "critic"):
 ALLOWED_WITHOUT_EFFECT_TEST: dict[str, str] = {
     "model.pretrained": "a Hugging Face folder to load (build_run): tests/train/test_real_inputs.py",
     "model.ragged_dot_triton": "a JAX lowering flag the entry point sets (cli.jax_flags): tests/test_cli.py",
+    "env.bad_prompts": "what build_run does with a prompt file's unusable lines (error or skip), so under it one of "
+                       "the two builds fails: tests/train/test_prompt_checks.py",
     **{f"sft.{name}": "the SFT stage (train.warm_start.run_sft): tests/train/test_sft.py, tests/train/test_loop_metrics.py"
        for name in ("steps", "target_demonstration_probability", "check_every", "probe_prompts", "batch_size",
                     "weak_demonstration_fraction", "optimizer.lr", "optimizer.weight_decay", "optimizer.max_grad_norm",
@@ -311,7 +314,8 @@ def first_difference(base: Config, perturbed: Config) -> str | None:
 @pytest.fixture(scope="module")
 def prompt_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": f"Q: {i}+1=?", "answer": str(i + 1)}) + "\n" for i in range(5)))
+    path.write_text("".join(json.dumps({"prompt": f"Q: {i}+1=?", "answer": str(i + 1), "expression": f"{i}+1"}) + "\n"
+                            for i in range(5)))  # fmt: skip
     return str(path)
 
 

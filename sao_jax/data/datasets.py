@@ -13,8 +13,9 @@ prompt). Fields of each record:
 A null optional field counts as absent (Parquet writes absent values as nulls). Anything malformed is a
 `DatasetError` naming the file, the line (1-based, JSONL) or row (0-based, Parquet) and the field (the
 column, 1-based in characters, of a byte that is not UTF-8 or of where the JSON breaks); no record is
-ever skipped. `read_prompt_records` also gives each prompt's place and line, for checks that need the
-run (`sao_jax.train.build.check_prompt`: the tokenizer's vocabulary, the rollout's length).
+skipped unless the caller asks (`read_prompt_records(skipped=...)`, for `env.bad_prompts=skip`).
+`read_prompt_records` also gives each prompt's place and line, for checks that need the run
+(`sao_jax.train.build.check_prompt`: the tokenizer's vocabulary, the rollout's and SFT's length).
 
 `prompt_loader` shuffles, repeats and shards a prompt list with Grain's own `MapDataset` pieces:
 
@@ -53,9 +54,11 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     return [prompt for _, prompt, _ in read_prompt_records(path)]
 
 
-def read_prompt_records(path: str | Path) -> list[tuple[str, Prompt, str | None]]:
+def read_prompt_records(path: str | Path, *, skipped: list[str] | None = None) -> list[tuple[str, Prompt, str | None]]:
     """(where, prompt, line) for each prompt of the file, in file order: where it is ("FILE, line N"
-    or "FILE, row N") and, for JSON Lines, the text of its line."""
+    or "FILE, row N") and, for JSON Lines, the text of its line. With `skipped`, a malformed record is
+    left out and its message appended there instead of raised; a problem of the whole file (missing,
+    unreadable, no prompt left) still raises."""
     path = Path(path)
     if not path.is_file():
         raise DatasetError(f"{path}: no such file")
@@ -67,20 +70,31 @@ def read_prompt_records(path: str | Path) -> list[tuple[str, Prompt, str | None]
         raise DatasetError(f"{path}: unsupported file type {path.suffix!r} (expected .jsonl, .jsonl.gz or .parquet)")
     out, first_seen = [], {}
     for index, (where, record, line) in enumerate(records):
-        prompt = _prompt(record, index, where)
-        if prompt.id in first_seen:
-            raise DatasetError(f"{where}: field 'id': {prompt.id} repeats the id of {first_seen[prompt.id]}")
+        try:
+            if isinstance(record, DatasetError):
+                raise record
+            prompt = _prompt(record, index, where)
+            if prompt.id in first_seen:
+                raise DatasetError(f"{where}: field 'id': {prompt.id} repeats the id of {first_seen[prompt.id]}")
+        except DatasetError as e:
+            if skipped is None:
+                raise
+            skipped.append(str(e))
+            continue
         first_seen[prompt.id] = where
         out.append((where, prompt, line))
     if not out:
-        raise DatasetError(f"{path}: no prompts in the file")
+        malformed = f" that can be read ({len(skipped)} malformed; the first: {skipped[0]})" if skipped else ""
+        raise DatasetError(f"{path}: no prompts in the file{malformed}")
     return out
 
 
 GZIP_MAGIC = b"\x1f\x8b"
 
 
-def _jsonl_records(path: Path) -> Iterator[tuple[str, Any, str]]:
+def _jsonl_records(path: Path) -> Iterator[tuple[str, Any, str | None]]:
+    """(where, the line's JSON value or the DatasetError that names its problem, its text) of each line
+    that is not blank."""
     with path.open("rb") as raw:
         gzipped = raw.read(2) == GZIP_MAGIC
     try:
@@ -92,14 +106,16 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any, str]]:
                     line = data.decode("utf-8")
                 except UnicodeDecodeError as e:
                     column = len(data[: e.start].decode("utf-8", errors="replace")) + 1
-                    raise DatasetError(f"{where}: not UTF-8 text (byte {data[e.start]:#04x} at column {column}); "
-                                       "save the file as UTF-8") from None  # fmt: skip
+                    yield where, DatasetError(f"{where}: not UTF-8 text (byte {data[e.start]:#04x} at column "
+                                              f"{column}); save the file as UTF-8"), None  # fmt: skip
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    yield where, json.loads(line), line
+                    record = json.loads(line)
                 except json.JSONDecodeError as e:
-                    raise DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+                    record = DatasetError(f"{where}: not valid JSON ({e.msg} at column {e.colno})")
+                yield where, record, line
     except (OSError, EOFError, zlib.error) as e:  # a damaged or truncated gzip stream
         if not gzipped:
             raise

@@ -27,7 +27,10 @@ deadline; a worker that misses it is SIGKILLed and replaced. Workers are pooled 
 busy at once), so a check costs one pipe round trip beyond math-verify itself (~0.1-0.4 ms measured);
 starting a worker (importing SymPy, ~0.9 s) is paid once per worker and after each timeout, and is not
 counted against `timeout_s`. A worker has an address-space limit (`memory_mb`) and a CPU limit per check
-(ceil(timeout_s) + 1 s), and exits at the end of its stdin, so none outlives its parent for long.
+(ceil(timeout_s) + 1 s), and dies with the process that uses the pool, mid-check too (kill -9 and
+preemption included): it is started through the sandbox's launcher (`python_tool.dying_with_this_process`,
+a parent-death SIGKILL), from one thread that lives as long as the process, since that signal fires when
+the starting *thread* ends and the threads that call `verify` come and go.
 
 Run as a script (`python -I math_reward.py --serve MEMORY_MB`) this file is the worker; it therefore
 imports only the standard library at module level.
@@ -40,6 +43,7 @@ import dataclasses
 import json
 import math
 import os
+import queue
 import re
 import selectors
 import subprocess
@@ -187,16 +191,48 @@ def default_pool() -> VerifierPool:
         return _default_pool
 
 
+_spawn_requests: queue.SimpleQueue | None = None
+_spawner_lock = threading.Lock()
+
+
+def _start_worker_process(memory_mb: int) -> subprocess.Popen:
+    """A worker process that dies with this one, started from the process's one spawning thread (module
+    docstring: the parent-death signal follows the starting thread)."""
+    from sao_jax.envs.python_tool import dying_with_this_process
+
+    global _spawn_requests
+    with _spawner_lock:
+        if _spawn_requests is None:
+            _spawn_requests = queue.SimpleQueue()
+            threading.Thread(target=_spawn_forever, args=(_spawn_requests,), name="math-verify-spawner",
+                             daemon=True).start()  # fmt: skip
+    # -I: no script directory on sys.path (this folder's modules cannot shadow others), no PYTHON* env.
+    command = dying_with_this_process([sys.executable, "-I", os.path.abspath(__file__), "--serve", str(memory_mb)])
+    started: queue.SimpleQueue = queue.SimpleQueue()
+    _spawn_requests.put((command, started))
+    proc = started.get()
+    if isinstance(proc, BaseException):
+        raise proc
+    return proc
+
+
+def _spawn_forever(requests: queue.SimpleQueue) -> None:
+    """The spawning thread: start each requested command; answer with its Popen or the exception."""
+    while True:
+        command, started = requests.get()
+        try:
+            # A new session keeps a terminal's Ctrl-C away from the workers; they end with the parent instead.
+            started.put(subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, start_new_session=True))  # fmt: skip
+        except Exception as e:  # noqa: BLE001 — handed to the caller, raised there
+            started.put(e)
+
+
 class _Worker:
     """One worker process, spoken to in JSON lines over its stdin/stdout."""
 
     def __init__(self, memory_mb: int) -> None:
-        # -I: no script directory on sys.path (this folder's modules cannot shadow others), no PYTHON* env.
-        # A new session keeps a terminal's Ctrl-C away from the workers; they end with the parent instead.
-        self._proc = subprocess.Popen(
-            [sys.executable, "-I", os.path.abspath(__file__), "--serve", str(memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-        )
+        self._proc = _start_worker_process(memory_mb)
         self._received = b""
         try:
             ready = self._receive(time.monotonic() + STARTUP_TIMEOUT_S)

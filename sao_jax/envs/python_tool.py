@@ -42,7 +42,8 @@ during the timeout, side channels; total memory is bounded by `max_processes × 
 Run as a script (`python -I -S python_tool.py SPEC_JSON`) this file is the in-sandbox launcher: it sets up
 the mounts, rlimits and uid from inside the new namespaces, then execs the sandboxed interpreter; as
 `python -I -S python_tool.py --die-with PID COMMAND...` it arms its parent-death signal (if its parent is
-still PID) and execs COMMAND (`unshare`), which keeps it. It therefore imports only the standard library.
+still PID) and execs COMMAND, which keeps it (`dying_with_this_process`: `unshare`, and the math verifier's
+workers). It therefore imports only the standard library.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ _SETUP_ERROR_PREFIX = "sao-sandbox-setup-error: "
 _SETUP_ERROR_EXIT = 125
 _MAX_CODE_BYTES = 256 * 1024
 _READ_CHUNK = 65536
+# This file run as the launcher (module docstring): -S, as it imports only the standard library.
+_THIS_FILE = [sys.executable, "-I", "-S", os.path.abspath(__file__)]
 
 
 class SandboxUnavailableError(RuntimeError):
@@ -284,11 +287,10 @@ def _start_and_collect(source: bytes, limits: _Limits, level: str, python: str, 
         "scratch_bytes": limits.scratch_mb * 2**20,
     }
     spec["parent_pid"] = os.getpid()  # the launcher dies with this process (`_die_with`)
-    this_file = [sys.executable, "-I", "-S", os.path.abspath(__file__)]
-    launcher = [*this_file, json.dumps(spec)]
+    launcher = [*_THIS_FILE, json.dumps(spec)]
     if level == NAMESPACES:  # unshare dies with this process too: its parent-death signal survives the exec
-        launcher = [*this_file, "--die-with", str(os.getpid()), shutil.which("unshare"), "--net", "--mount", "--pid",
-                    "--ipc", "--fork", "--kill-child=SIGKILL", "--mount-proc", *launcher]  # fmt: skip
+        launcher = dying_with_this_process([shutil.which("unshare"), "--net", "--mount", "--pid", "--ipc", "--fork",
+                                            "--kill-child=SIGKILL", "--mount-proc", *launcher])  # fmt: skip
     started = time.monotonic()
     try:
         proc = subprocess.Popen(
@@ -444,6 +446,13 @@ def _kill_sandbox(proc: subprocess.Popen, namespaces: bool) -> None:
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def dying_with_this_process(command: list[str]) -> list[str]:
+    """`command` started through this file's launcher (`--die-with`): it gets SIGKILL when the thread
+    that starts it ends, or the whole process (kill -9 included), and is never left running alone.
+    The launcher execs `command`, which keeps the parent-death signal unless it is set-uid."""
+    return [*_THIS_FILE, "--die-with", str(os.getpid()), *command]
 
 
 def _kill_children(pid: int) -> bool:

@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import importlib
 import json
+import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,6 +36,9 @@ from sao_jax.rollout.scaffold import ScaffoldLoop, ScaffoldSettings, command_arg
 from sao_jax.rollout.trajectory import Trajectory
 from sao_jax.train import steps as steps_lib
 from sao_jax.train.distributed import Cluster, ProcessRollouts
+from sao_jax.train.sft import demonstration_trajectory
+
+log = logging.getLogger(__name__)
 
 # Stream ids folded into the seed so each consumer of randomness has its own stream.
 (SFT_STREAM, VALUE_PRETRAIN_STREAM, RL_STREAM, EVAL_STREAM, INIT_STREAM, SFT_PROBE_STREAM, ADVANTAGE_PROBE_STREAM,
@@ -55,17 +60,15 @@ class Run:
     cluster: Cluster = dataclasses.field(default_factory=Cluster)  # this process's part of the run
     chat_format: ChatFormat | None = None  # a pretrained model's: every episode is spoken in it
     scaffold: ScaffoldSettings | None = None  # env.name=scaffold: a scaffold runs the episodes
+    # env.bad_prompts=skip: {"env.train_file" or "env.eval_file": prompts left out of it}, where any were.
+    skipped_prompts: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def env_factory(self, prompt):
-        env = self.env_cls(**self.env_kwargs)
-        return env if self.chat_format is None else ChatEnv(env, self.chat_format)
+        return make_env(self.env_cls, self.env_kwargs, self.chat_format)
 
     def demonstration(self, prompt, *, weak: bool = False) -> list[str]:
-        """The gold actions for `prompt` (`weak`: the weaker demonstrator's), in the chat format. Asked of
-        an environment built with `env.options`, which may shape them (repair's `demonstrate_repair`)."""
-        env = self.env_cls(**self.env_kwargs)
-        actions = (env.weak_demonstration if weak else env.demonstration)(prompt)
-        return actions if self.chat_format is None else self.env_factory(prompt).chat_actions(actions)
+        """The gold actions for `prompt` (`weak`: the weaker demonstrator's), in the chat format."""
+        return demonstration_actions(self.env_cls, self.env_kwargs, self.chat_format, prompt, weak=weak)
 
     def agent_loop(self, *, greedy: bool, env_factory=None) -> AgentLoop | ScaffoldLoop | ProcessRollouts:
         """The rollout settings' agent loop (`greedy`: top-k 1); `env_factory` replaces `self.env_factory`.
@@ -93,6 +96,21 @@ class Run:
         return self.cluster.rollouts(AgentLoop(sampler, self.tokenizer, env_factory or self.env_factory, loop_config))
 
 
+def make_env(env_cls, env_kwargs: dict[str, Any], chat_format: ChatFormat | None):
+    """A fresh environment, spoken in `chat_format` when there is one (`ChatEnv`)."""
+    env = env_cls(**env_kwargs)
+    return env if chat_format is None else ChatEnv(env, chat_format)
+
+
+def demonstration_actions(env_cls, env_kwargs: dict[str, Any], chat_format: ChatFormat | None, prompt: Prompt, *,
+                          weak: bool = False) -> list[str]:  # fmt: skip
+    """The gold actions for `prompt` (`weak`: the weaker demonstrator's), in the chat format. Asked of an
+    environment built with `env.options`, which may shape them (repair's `demonstrate_repair`)."""
+    env = env_cls(**env_kwargs)
+    actions = (env.weak_demonstration if weak else env.demonstration)(prompt)
+    return actions if chat_format is None else make_env(env_cls, env_kwargs, chat_format).chat_actions(actions)
+
+
 def build_run(config: Config) -> Run:
     """The run's pieces. A pretrained model (`model.pretrained`, a Hugging Face folder) brings its
     tokenizer and chat template, and the environment is spoken in that template (`ChatEnv`); a preset
@@ -111,10 +129,20 @@ def build_run(config: Config) -> Run:
     else:
         tokenizer, chat_format = CharTokenizer(), None
     check = functools.partial(check_prompt, config, env_cls, tokenizer, chat_format)
+    # SFT demonstrates any training prompt, and its probe the first sft.probe_prompts held-out ones.
+    sft = config.sft
+    probed = sft.probe_prompts if sft.target_demonstration_probability > 0 and sft.steps >= sft.check_every else 0
+    skipped: dict[str, list[str]] = {"env.train_file": [], "env.eval_file": []}
     train_prompts = prompt_pool(config, env_cls, env.train_file, env.train_prompts, RL_STREAM, key="env.train_file",
-                                check=check)  # fmt: skip
+                                check=check, demonstrated=math.inf if sft.steps else 0,
+                                skipped=skipped["env.train_file"])  # fmt: skip
     eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, EVAL_STREAM, key="env.eval_file",
-                               check=check)  # fmt: skip
+                               check=check, demonstrated=probed, skipped=skipped["env.eval_file"])  # fmt: skip
+    skipped_prompts = {key: len(problems) for key, problems in skipped.items() if problems}
+    if skipped_prompts and cluster.is_primary:
+        first = next(problems[0] for problems in skipped.values() if problems)
+        log.warning("env.bad_prompts=skip: left out %s (the first: %s)",
+                    " and ".join(f"{n} prompts of {key}" for key, n in skipped_prompts.items()), first)
     overrides = {name: value for name, value in
                  (("moe_dispatch", model.moe_dispatch), ("dtype", model.dtype), ("param_dtype", model.param_dtype),
                   ("attention", model.attention))
@@ -144,7 +172,7 @@ def build_run(config: Config) -> Run:
     length = config.rollout.max_total_tokens
     buckets = tuple(sorted({max(16, length // 2), length}))
     return Run(config, tokenizer, env_cls, env_options(config), train_prompts, eval_prompts, policy, buckets, cluster,
-               chat_format, scaffold)  # fmt: skip
+               chat_format, scaffold, skipped_prompts)  # fmt: skip
 
 
 def scaffold_settings(config: Config) -> ScaffoldSettings | None:
@@ -167,33 +195,50 @@ def scaffold_settings(config: Config) -> ScaffoldSettings | None:
 
 
 def prompt_pool(config: Config, env_cls, file: str | None, size: int, stream: int, *, key: str,
-                check: Callable[[Prompt, str | None], str | None] | None = None) -> list[Prompt]:  # fmt: skip
+                check: Callable[..., str | None] | None = None, demonstrated: float = 0,
+                skipped: list[str] | None = None) -> list[Prompt]:  # fmt: skip
     """The prompts of `file` (`read_prompt_records`; its errors name the config `key`), or `size` that the
     environment generates with the rng (seed, stream). Each prompt's id becomes its index in the pool:
-    per-prompt baselines key on it. `check(prompt, line)`: a file prompt's problem, or None."""
-    if file is not None:
-        try:
-            records = read_prompt_records(file)
-            for where, prompt, line in records if check is not None else ():
-                problem = check(prompt, line)
-                if problem is not None:
-                    raise DatasetError(f"{where}: {problem}")
-        except DatasetError as e:
-            raise DatasetError(f"{e} ({key})") from None
-        prompts = [prompt for _, prompt, _ in records]
-    else:
+    per-prompt baselines key on it. `check(prompt, line, demonstrated=)`: a file prompt's problem, or
+    None; the first `demonstrated` prompts of the pool (math.inf: all) are SFT's, their demonstrations
+    checked too. A record's problem (malformed, or `check`'s) is a DatasetError under
+    `env.bad_prompts=error`; under `skip` the record is left out and its message appended to `skipped`."""
+    if file is None:
         difficulty = list(config.env.difficulty) or None
         prompts = env_cls.generate_prompts(np.random.default_rng([config.seed, stream]), size, difficulty)
-    return [dataclasses.replace(p, id=i) for i, p in enumerate(prompts)]
+        return [dataclasses.replace(p, id=i) for i, p in enumerate(prompts)]
+    problems: list[str] = []
+    skip = config.env.bad_prompts == "skip"
+    prompts = []
+    try:
+        for where, prompt, line in read_prompt_records(file, skipped=problems if skip else None):
+            prompt = dataclasses.replace(prompt, id=len(prompts))
+            problem = None if check is None else check(prompt, line, demonstrated=len(prompts) < demonstrated)
+            if problem is None:
+                prompts.append(prompt)
+            elif skip:
+                problems.append(f"{where}: {problem}")
+            else:
+                raise DatasetError(f"{where}: {problem}")
+        if not prompts:
+            raise DatasetError(f"{file}: none of its {len(problems)} prompts is usable (env.bad_prompts=skip); "
+                               f"the first: {problems[0]}")  # fmt: skip
+    except DatasetError as e:
+        raise DatasetError(f"{e} ({key})") from None
+    if skipped is not None:
+        skipped.extend(problems)
+    return prompts
 
 
 def check_prompt(config: Config, env_cls, tokenizer, chat_format: ChatFormat | None, prompt: Prompt,
-                 line: str | None = None) -> str | None:  # fmt: skip
+                 line: str | None = None, *, demonstrated: bool = False) -> str | None:  # fmt: skip
     """What stops `prompt` from being rolled out, or None: the environment cannot start on it, its text
     holds a character outside the tokenizer's vocabulary (its column in the file's `line`, when known),
-    or the first observation leaves no room for an action within `rollout.max_total_tokens`."""
-    env = env_cls(**env_options(config))
-    env = env if chat_format is None else ChatEnv(env, chat_format)
+    or the first observation leaves no room for an action within `rollout.max_total_tokens`. When SFT
+    `demonstrated` it: also the environment cannot demonstrate it, or a demonstration (the weaker one's
+    too, under `sft.weak_demonstration_fraction`) is longer than `rollout.max_total_tokens`, the length
+    of SFT's longest sequence."""
+    env = make_env(env_cls, env_options(config), chat_format)
     try:
         text = env.reset(prompt)
     except Exception as e:  # noqa: BLE001 — whatever the environment raises, named in one line
@@ -208,6 +253,26 @@ def check_prompt(config: Config, env_cls, tokenizer, chat_format: ChatFormat | N
     if length >= budget:
         return (f"the prompt takes {length} tokens, leaving no room for an action within "
                 f"rollout.max_total_tokens={budget}: shorten it or raise rollout.max_total_tokens")  # fmt: skip
+    return _demonstration_problem(config, env_cls, tokenizer, chat_format, prompt) if demonstrated else None
+
+
+def _demonstration_problem(config: Config, env_cls, tokenizer, chat_format: ChatFormat | None,
+                           prompt: Prompt) -> str | None:  # fmt: skip
+    """What stops SFT from training on `prompt`'s demonstrations (`check_prompt`), or None."""
+    env_kwargs, budget = env_options(config), config.rollout.max_total_tokens
+    weak = config.sft.weak_demonstration_fraction > 0 and hasattr(env_cls, "weak_demonstration")
+    demonstrators = [("demonstration", False), *([("weaker demonstration", True)] if weak else [])]
+    for which, is_weak in demonstrators:
+        try:
+            actions = demonstration_actions(env_cls, env_kwargs, chat_format, prompt, weak=is_weak)
+            length = demonstration_trajectory(make_env(env_cls, env_kwargs, chat_format), prompt, actions, tokenizer,
+                                              add_bos=chat_format is None).num_tokens  # fmt: skip
+        except Exception as e:  # noqa: BLE001 — whatever the environment raises, named in one line
+            return (f"the environment {config.env.name!r} cannot step through this prompt's SFT {which} "
+                    f"({type(e).__name__}: {e}); set sft.steps=0 to train without SFT")  # fmt: skip
+        if length > budget:
+            return (f"its SFT {which} takes {length} tokens, more than rollout.max_total_tokens={budget} (SFT's "
+                    "longest sequence): shorten the prompt or raise rollout.max_total_tokens")  # fmt: skip
     return None
 
 

@@ -150,7 +150,8 @@ def evaluate_checkpoint(config: Config) -> dict[str, Any]:
     return {"step": restored.step, **evaluate(run, run.agent_loop(greedy=config.env.eval_greedy), weights)}
 
 
-def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: int | None = None) -> dict[str, Any]:
+def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: int | None = None,
+                skipped_prompts: dict[str, int] | None = None) -> dict[str, Any]:  # fmt: skip
     """summary.json from the run's metric lines: the warm start (SFT steps taken, the last probed
     demonstration probability, whether it reached its target), the RL steps trained (`steps`; None:
     counted in the lines, a step without usable data not counted), held-out success at the start (step 0)
@@ -159,7 +160,9 @@ def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: in
 
         learned ⇔ end − start > 2 · sqrt((p₀(1 − p₀) + p₁(1 − p₁)) / n),   n = held-out prompts,
 
-    so a gain that sampling noise of the evaluation alone could make does not count."""
+    so a gain that sampling noise of the evaluation alone could make does not count. `skipped_prompts`
+    ({"env.train_file": n, ...}: prompts left out of the files under env.bad_prompts=skip) is kept
+    under that name where any was."""
     sft = [line for line in lines if line.get("stage") == "sft"]
     probes = [line["sft/demonstration_probability"] for line in sft if "sft/demonstration_probability" in line]
     warm_start = {
@@ -174,6 +177,8 @@ def run_summary(lines: list[dict[str, Any]], *, num_eval_prompts: int, steps: in
     end = evals[-1][1] if evals and evals[-1][0] > 0 else None
     summary: dict[str, Any] = {"warm_start": warm_start, "steps": steps, "eval_success_start": start,
                                "eval_success_end": end}  # fmt: skip
+    if skipped_prompts:
+        summary["skipped_prompts"] = dict(skipped_prompts)
     if start is not None and end is not None:
         standard_error = float(np.sqrt((start * (1 - start) + end * (1 - end)) / num_eval_prompts))
         summary |= {"gain": end - start, "gain_standard_error": standard_error,

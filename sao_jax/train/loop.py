@@ -185,7 +185,8 @@ def _train(config: Config, stops: StopRequests, *, resume: bool, allow_config_ch
             lines = read_metrics(metrics_file)
             trained = max((line["step"] for line in lines), default=0)
             with contextlib.suppress(OSError):
-                write_results(out, run_summary(lines, num_eval_prompts=len(run.eval_prompts), steps=trained))
+                write_results(out, run_summary(lines, num_eval_prompts=len(run.eval_prompts), steps=trained,
+                                               skipped_prompts=run.skipped_prompts))  # fmt: skip
         raise
     except Interrupted:
         if mirror is not None:
@@ -349,4 +350,5 @@ def rl_loop(run: Run, state, graphs, steps, rollout_loop, eval_loop, writer, che
         log.warning("the environment failed %d rollouts in RL, %s (train/env_failed in metrics.jsonl counts them "
                     "by step; --debug shows the first one's traceback)", source.errors.total, source.errors.describe())
     checkpointer.wait()
-    return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts))
+    return run_summary(read_metrics(writer.path), num_eval_prompts=len(run.eval_prompts),
+                       skipped_prompts=run.skipped_prompts)

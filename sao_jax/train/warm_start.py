@@ -158,8 +158,8 @@ def demonstration_probe(run: Run, graph, buffers):
     (prompts of their own stream, or the first of `env.eval_file`); the token where the weaker
     demonstrator would branch off is the free choice left out (`sft.choice_mask`)."""
     config = run.config
-    prompts = prompt_pool(config, run.env_cls, config.env.eval_file, config.sft.probe_prompts, SFT_PROBE_STREAM,
-                         key="env.eval_file")
+    prompts = run.eval_prompts if config.env.eval_file is not None else prompt_pool(
+        config, run.env_cls, None, config.sft.probe_prompts, SFT_PROBE_STREAM, key="env.eval_file")
     prompts = prompts[: config.sft.probe_prompts]
     add_bos = run.chat_format is None
     gold, free = [], []
@@ -190,7 +190,9 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
-    rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1))
+    with tqdm(total=len(prompts), desc="value-pretraining rollouts", leave=False) as bar:
+        rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1),
+                                        on_trajectory=lambda _: bar.update())  # fmt: skip
     corpus, failed = usable(rollouts)
     check_pretraining_corpus(config, rollouts, len(corpus))
 

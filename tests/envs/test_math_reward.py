@@ -1,12 +1,18 @@
-"""The verified math reward: answer extraction, equivalence judged by hand against math-verify, and the
-time limit from a worker thread."""
+"""The verified math reward: answer extraction, equivalence judged by hand against math-verify, the
+time limit from a worker thread, and workers that die with their caller."""
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from sao_jax.envs.math_reward import STATUSES, Verdict, VerifierPool, extract_final_answer, verify
+from tests.envs.test_python_tool import _alive, _descendants
 
 
 @pytest.fixture(scope="module")
@@ -164,3 +170,64 @@ def test_bad_arguments_raise():
         VerifierPool(max_workers=0)
     with pytest.raises(ValueError, match="timeout_s"):
         VerifierPool(max_workers=1).check("1", "1", timeout_s=0)
+
+
+def _workers(pid: int) -> set[tuple[int, str]]:
+    """(pid, start time) of the verifier workers below process `pid`."""
+    found = set()
+    for child, started in _descendants(pid):
+        try:
+            command = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--serve" in command:
+            found.add((child, started))
+    return found
+
+
+def test_a_worker_outlives_the_thread_that_started_it():
+    """A worker's parent-death signal follows the thread that started it; the threads that call `verify`
+    come and go, and the worker they started must keep serving the pool."""
+    others = _workers(os.getpid())  # other pools' workers
+    pool = VerifierPool(max_workers=1)
+    try:
+        thread = threading.Thread(target=verify, args=(boxed("1"), "1"), kwargs={"pool": pool})
+        thread.start()
+        thread.join(timeout=60)
+        started = _workers(os.getpid()) - others
+        assert len(started) == 1
+        time.sleep(0.5)  # a parent-death SIGKILL would have landed by now
+        assert verify(boxed("0.5"), "1/2", pool=pool) == Verdict(True, "correct")
+        assert _workers(os.getpid()) - others == started  # the same worker answered; none was started anew
+    finally:
+        pool.close()
+
+
+# A caller with two workers: one idle, one grinding on 9^(9^9) (minutes of SymPy) in a check of its own thread.
+BUSY_CALLER = """
+import threading
+from sao_jax.envs.math_reward import VerifierPool
+pool = VerifierPool(max_workers=2)
+threading.Thread(target=pool.check, args=("9^{9^{9}}", "1"), kwargs={"timeout_s": 600}, daemon=True).start()
+print(pool.check("1", "1", timeout_s=60).status, flush=True)
+threading.Event().wait()
+"""
+
+
+def test_a_caller_killed_with_sigkill_leaves_no_verifier_worker_behind():
+    """kill -9 of the trainer (or a preempted VM's) while a check runs: every worker dies with it, the one
+    in the middle of a check (which cannot see its stdin close) included."""
+    caller = subprocess.Popen([sys.executable, "-c", BUSY_CALLER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout.readline() == "correct\n"
+        deadline = time.monotonic() + 60
+        while len(workers := _workers(caller.pid)) < 2:
+            assert caller.poll() is None and time.monotonic() < deadline, "the workers did not start"
+            time.sleep(0.05)
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait()
+    deadline = time.monotonic() + 10
+    while _alive(workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _alive(workers) == set()

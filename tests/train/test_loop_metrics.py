@@ -158,6 +158,9 @@ def test_run_summary_reports_the_warm_start_and_whether_the_gain_beats_its_noise
     assert small["learned"] is False  # 0.125 < 2 · sqrt((0.1875 + 0.234375) / 64) = 0.1624
     assert "did not learn" in evaluation.summary_line(small)
     assert evaluation.run_summary(lines[:3], num_eval_prompts=64, steps=0).get("learned") is None
+    assert "skipped_prompts" not in summary  # only a run that left prompts out says so
+    skipping = evaluation.run_summary(lines, num_eval_prompts=64, steps=10, skipped_prompts={"env.train_file": 4})
+    assert skipping == summary | {"skipped_prompts": {"env.train_file": 4}}
 
 
 def test_run_summary_never_reports_an_evaluation_that_did_not_run():
