@@ -298,13 +298,16 @@ class ProcessRollouts:
         self.loop, self.cluster = loop, cluster
 
     def rollout(self, weights: tuple[Any, int], prompts: Sequence[Any], key: jax.Array, *,
-                indices: Sequence[int] | None = None) -> list[Trajectory]:  # fmt: skip
-        """weights: `(params on the mesh, version)`; prompts, key and indices: as `AgentLoop.rollout`."""
+                indices: Sequence[int] | None = None,
+                on_trajectory: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:  # fmt: skip
+        """weights: `(params on the mesh, version)`; prompts, key and indices: as `AgentLoop.rollout`;
+        `on_trajectory` gets each of this process's trajectories (its `process_block`) as it ends."""
         params, version = weights
         prompts = list(prompts)
         mine = process_block(len(prompts), jax.process_index(), jax.process_count())
         # Stored in the compute dtype before the gather: the same rollouts from half the bytes in bf16.
         local = (self.cluster.local_replica(compute_dtype_weights(params, self.loop.sampler.config)), version)
         trajectories = self.loop.rollout(local, [prompts[i] for i in mine], key, first_index=mine.start,
-                                         indices=None if indices is None else [indices[i] for i in mine])
+                                         indices=None if indices is None else [indices[i] for i in mine],
+                                         on_trajectory=on_trajectory)  # fmt: skip
         return self.cluster.all_gather(trajectories)

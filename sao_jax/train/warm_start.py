@@ -39,6 +39,7 @@ from sao_jax.train.build import (
     prompt_pool,
     usable,
 )
+from sao_jax.train.distributed import process_block
 from sao_jax.train.sft import choice_mask, demonstration_trajectory, make_demonstration_probe, make_sft_update
 from sao_jax.train.signals import Interrupted, StopRequests
 
@@ -190,7 +191,8 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
-    with tqdm(total=len(prompts), desc="value-pretraining rollouts", leave=False) as bar:
+    mine = process_block(len(prompts), jax.process_index(), jax.process_count())  # the rollouts this process runs
+    with tqdm(total=len(mine), desc="value-pretraining rollouts", leave=False) as bar:
         rollouts = rollout_loop.rollout((weights, 0), prompts, jax.random.key(config.seed + 1),
                                         on_trajectory=lambda _: bar.update())  # fmt: skip
     corpus, failed = usable(rollouts)
