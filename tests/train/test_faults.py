@@ -42,7 +42,7 @@ def kill_when(output_dir, env, ready, *extra):
     """Start `--resume`, SIGKILL it as soon as `ready(stderr_path)` holds (or it ends by itself)."""
     log = output_dir.parent / f"{output_dir.name}.{time.monotonic_ns()}.stderr"
     with log.open("w") as stderr:
-        process = subprocess.Popen(command(output_dir, "--resume", *PATIENT_STOP, *extra), env=env,
+        process = subprocess.Popen(command(output_dir, *PATIENT_STOP, "--resume", *extra), env=env,
                                    stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
         deadline = time.monotonic() + 300
         while not ready(log) and process.poll() is None:
@@ -296,7 +296,7 @@ def signal_when(output_dir, env, signum, ready, *extra):
     """`--resume` sent `signum` as soon as `ready()` holds; (exit status, stderr)."""
     log = output_dir.parent / f"{output_dir.name}.{time.monotonic_ns()}.stderr"
     with log.open("w") as stderr:
-        process = subprocess.Popen(command(output_dir, "--resume", *PATIENT_STOP, *extra), env=env,
+        process = subprocess.Popen(command(output_dir, *PATIENT_STOP, "--resume", *extra), env=env,
                                    stdout=subprocess.DEVNULL, stderr=stderr)  # fmt: skip
         deadline = time.monotonic() + 300
         while not ready() and process.poll() is None:
