@@ -116,6 +116,9 @@ class StopRequests:
             return self.signum is not None, save_failure is not None
         flags = np.asarray(multihost_utils.process_allgather(np.array([self.signum or 0, save_failure is not None],
                                                                       np.int32)))  # fmt: skip
-        if self.signum is None and flags[:, 0].any():
-            self.request(int(flags[:, 0].max()))
-        return self.signum is not None, bool(flags[:, 1].any())
+        # The decision is the gathered flags' alone: a signal handled while the gather was in flight is
+        # in this process's next gather, so no process stops (and saves, a collective) without the others.
+        signum = int(flags[:, 0].max())
+        if signum and self.signum is None:
+            self.request(signum)
+        return bool(signum), bool(flags[:, 1].any())

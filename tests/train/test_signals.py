@@ -62,3 +62,32 @@ def test_a_stop_that_outlasts_the_grace_period_exits_with_the_signals_status_in_
     assert process.returncode == 143 and 0.5 <= time.monotonic() - sent < 30
     assert stderr.splitlines() == ["interrupted by SIGTERM: the stop took longer than train.signal_grace_s=0.5 s; "
                                    "exiting without waiting further; --resume continues from the newest checkpoint"]
+
+
+def test_a_signal_during_the_gather_stops_every_process_at_the_next_gather_not_this_one(monkeypatch):
+    """Two processes, the signal reaching this one while `agreed`'s gather is in flight: the flags
+    gathered say no stop, so this process goes on as the other does (a lone stop would save, a
+    collective, alone and hang); its flag is in the next gather, where both stop."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    from sao_jax.train.signals import StopRequests
+
+    stops = StopRequests(grace_s=60.0)
+    gathered = []
+
+    def gather_with_a_signal_arriving(local):
+        gathered.append(np.asarray(local).tolist())
+        if len(gathered) == 1:
+            stops.request(signal.SIGTERM)  # the handler runs after this process's flags were taken
+        return np.stack([np.asarray(local), np.zeros(2, np.int32)])  # the other process: no signal, no failure
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(multihost_utils, "process_allgather", gather_with_a_signal_arriving)
+    try:
+        assert stops.agreed() == (False, False)
+        assert stops.agreed() == (True, False)
+    finally:
+        stops.__exit__(None, None, None)  # cancels the grace timer
+    assert gathered == [[0, 0], [int(signal.SIGTERM), 0]]
