@@ -320,8 +320,10 @@ class SFTConfig:
     # must learn that the exact one pays.
     weak_demonstration_fraction: float = ranged(0.5, UNIT)
     optimizer: OptimizerConfig = OptimizerConfig(lr=3e-3, warmup_steps=20)
-    # A folder of finished warm starts, keyed by everything SFT depends on (seed, model, env, sft,
-    # rollout, mesh): runs that share one (ablation rows of a seed) train it once. None: no cache.
+    # A folder of finished warm starts: SFT's policies, keyed by everything SFT depends on (seed, model,
+    # env, sft, rollout, mesh), and value pretraining's critics, keyed by that and the critic's settings
+    # (`warm_start.value_pretraining_cache_key`): runs that share one (ablation rows of a seed) train it
+    # once. None: no cache.
     cache_dir: str | None = None
 
 

@@ -1,6 +1,6 @@
 """The warm-start stages before RL: SFT on demonstrations (until the held-out probe reaches its
-target, cached by settings in `sft.cache_dir`), value pretraining of the critic on Monte-Carlo
-returns of the warm-started policy's rollouts (docs/algorithms.md §8), then the critic's warmup
+target), value pretraining of the critic on Monte-Carlo returns of the warm-started policy's
+rollouts (docs/algorithms.md §8), both cached by settings in `sft.cache_dir`, then the critic's warmup
 steps: RL's critic updates on fresh batches of the same policy, before the first policy update.
 """
 
@@ -56,6 +56,20 @@ def sft_cache_key(config: Config) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def value_pretraining_cache_key(config: Config) -> str:
+    """Hash of every setting value pretraining depends on: the warm start's (`sft_cache_key`); the
+    critic's but its RL optimizer, K and warmup steps; the advantage settings, the value clip, the
+    scaffold and the batch shape. Rows that differ only in their policy loss, their policy lag or
+    their RL budget share one pretrained critic."""
+    critic = to_dict(config.critic)
+    for name in ("optimizer", "updates_per_policy_update", "warmup_steps"):
+        critic.pop(name)
+    parts = {"warm_start": sft_cache_key(config), "critic": critic, "advantage": to_dict(config.advantage),
+             "value_clip_eps": config.loss.value_clip_eps, "scaffold": to_dict(config.scaffold),
+             "train": {name: getattr(config.train, name) for name in ("batch_size", "micro_batch_size", "logit_chunk")}}
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def run_sft(run: Run, writer: MetricsWriter, *, stops: StopRequests | None = None) -> Any:
     """Fit the policy to demonstrations; returns the policy's trained params. With `sft.cache_dir`, a
     warm start already trained under the same settings is loaded instead (its metric lines replayed),
@@ -67,33 +81,49 @@ def run_sft(run: Run, writer: MetricsWriter, *, stops: StopRequests | None = Non
     if sft_cfg.steps == 0:
         return params
     cached = Path(sft_cfg.cache_dir) / f"sft_{sft_cache_key(run.config)}.npz" if sft_cfg.cache_dir else None
-    if cached is not None and cached.exists():
-        try:
-            loaded, lines = _load_sft_cache(cached, params)
-        except Exception as error:  # noqa: BLE001 — any unreadable entry is redone, named in one line
-            aside = free_name(cached, "unreadable")
-            if run.cluster.is_primary:  # the cache may be shared by the processes: one moves it
-                os.replace(cached, aside)
-            log.warning("the SFT cache entry %s is unreadable (%s: %s); moved it aside to %s and training the warm "
-                        "start again", cached, type(error).__name__, str(error).splitlines()[0][:200] if str(error)
-                        else "", aside)  # fmt: skip
-        else:
-            for line in lines:
-                writer.write(0, line)
-            log.info("warm start loaded from %s", cached)
-            return run.cluster.place(loaded)
+    entry = _read_cache_entry(run, cached, params, "SFT")
+    if entry is not None:
+        loaded, lines = entry
+        for line in lines:
+            writer.write(0, line)
+        log.info("warm start loaded from %s", cached)
+        return run.cluster.place(loaded)
     lines: list[dict[str, Any]] = []
     params = _train_sft(run, graph, params, buffers, writer, lines, stops)
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(".partial.npz")  # a crash mid-write leaves no half-written cache entry
-        leaves = {f"leaf_{i}": np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(params))}
-        np.savez(partial, metrics=json.dumps(lines), **leaves)
-        os.replace(partial, cached)
+    _write_cache_entry(cached, params, lines)
     return params
 
 
-def _load_sft_cache(path: Path, params) -> tuple[Any, list[dict[str, Any]]]:
+def _read_cache_entry(run: Run, path: Path | None, params, what: str) -> tuple[Any, list[dict[str, Any]]] | None:
+    """(params, metric lines) of the warm-start cache entry at `path`, or None when there is none. An
+    entry that does not load (truncated, corrupt, other shapes) is named in one warning and moved
+    aside to `<entry>.unreadable.npz`, and None is returned: `what` is then trained again."""
+    if path is None or not path.exists():
+        return None
+    try:
+        return _load_cache_entry(path, params)
+    except Exception as error:  # noqa: BLE001 — any unreadable entry is redone, named in one line
+        aside = free_name(path, "unreadable")
+        if run.cluster.is_primary:  # the cache may be shared by the processes: one moves it
+            os.replace(path, aside)
+        log.warning("the %s cache entry %s is unreadable (%s: %s); moved it aside to %s and training it again",
+                    what, path, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "", aside)
+        return None
+
+
+def _write_cache_entry(path: Path | None, params, lines: list[dict[str, Any]]) -> None:
+    """Store `params` and the metric lines that produced them at `path` (nothing when None); a crash
+    mid-write leaves no half-written entry, and processes sharing the folder never write one file."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".partial{jax.process_index()}.npz")
+    leaves = {f"leaf_{i}": np.asarray(leaf) for i, leaf in enumerate(jax.tree.leaves(params))}
+    np.savez(partial, metrics=json.dumps(lines), **leaves)
+    os.replace(partial, path)
+
+
+def _load_cache_entry(path: Path, params) -> tuple[Any, list[dict[str, Any]]]:
     """(params, metric lines) of a cache entry, every leaf of the shape and dtype of `params`'s; raises
     whatever a truncated or foreign file raises, before anything is written."""
     with np.load(path, allow_pickle=False) as stored:
@@ -101,7 +131,7 @@ def _load_sft_cache(path: Path, params) -> tuple[Any, list[dict[str, Any]]]:
         arrays = [stored[f"leaf_{i}"] for i in range(len(leaves))]
         for i, (array, leaf) in enumerate(zip(arrays, leaves)):
             if array.shape != leaf.shape:
-                raise ValueError(f"leaf_{i} has shape {array.shape}, the policy's {leaf.shape}")
+                raise ValueError(f"leaf_{i} has shape {array.shape}, the model's {leaf.shape}")
         lines = json.loads(str(stored["metrics"]))
     return jax.tree.unflatten(treedef, [jnp.asarray(a, leaf.dtype) for a, leaf in zip(arrays, leaves)]), lines
 
@@ -181,13 +211,24 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
                           stops: StopRequests | None = None):  # fmt: skip
     """Regress the critic on Monte-Carlo returns (λ = 1) of the initial policy's rollouts; returns the
     state with the pretrained critic and a fresh RL critic optimizer state (`critic_tx`). `state` is
-    consumed (its buffers are donated). With `stops`, a signal ends it after the rollouts or the batch
-    in hand (`Interrupted`)."""
+    consumed (its buffers are donated). With `sft.cache_dir`, a critic pretrained under the same
+    settings (`value_pretraining_cache_key`) is loaded instead, its metric lines replayed, and a new
+    one is stored there. With `stops`, a signal ends it after the rollouts or the batch in hand
+    (`Interrupted`; nothing is stored)."""
     config = run.config
     critic_cfg = config.critic
     critic_free = ADVANTAGE_ESTIMATORS[config.advantage.estimator].gae is None
     if critic_cfg.pretrain_rollouts == 0 or critic_free:  # critic-free baselines never read the critic
         return run.cluster.place(state.replace(critic_opt_state=critic_tx.init(state.critic_params)))
+    cache_dir = config.sft.cache_dir
+    cached = Path(cache_dir) / f"critic_{value_pretraining_cache_key(config)}.npz" if cache_dir else None
+    entry = _read_cache_entry(run, cached, state.critic_params, "value pretraining")
+    if entry is not None:
+        critic_params, lines = entry
+        for line in lines:
+            writer.write(0, line)
+        log.info("pretrained critic loaded from %s", cached)
+        return run.cluster.place(state.replace(critic_params=critic_params, critic_opt_state=critic_tx.init(critic_params)))
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])
     prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), critic_cfg.pretrain_rollouts)]
@@ -207,6 +248,7 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
     value_update = run.cluster.step(value_update)
     pretrain_state = run.cluster.place(state.replace(critic_opt_state=tx.init(state.critic_params)))
     batch_size = config.train.batch_size
+    lines: list[dict[str, Any]] = []
     for epoch in tqdm(range(critic_cfg.pretrain_epochs), desc="value pretraining", leave=False):
         order = rng.permutation(len(corpus))
         epoch_metrics = []
@@ -216,8 +258,10 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
             epoch_metrics.append(jax.device_get(metrics))
             check_stop()
         mean = {k: float(np.mean([m[k] for m in epoch_metrics])) for k in epoch_metrics[0]}
-        writer.write(0, {"stage": "value_pretrain", "value_pretrain/epoch": epoch, "value_pretrain/corpus": len(corpus),
-                         "value_pretrain/failed_rollouts": failed, **mean})  # fmt: skip
+        lines.append({"stage": "value_pretrain", "value_pretrain/epoch": epoch, "value_pretrain/corpus": len(corpus),
+                      "value_pretrain/failed_rollouts": failed, **mean})  # fmt: skip
+        writer.write(0, lines[-1])
+    _write_cache_entry(cached, pretrain_state.critic_params, lines)
     return run.cluster.place(pretrain_state.replace(critic_opt_state=critic_tx.init(pretrain_state.critic_params)))
 
 

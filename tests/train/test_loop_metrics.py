@@ -198,7 +198,7 @@ def test_an_unreadable_sft_cache_entry_is_named_moved_aside_and_redone(tmp_path,
         redone, _ = sft("redone")
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(said) == 1 and said[0].startswith(f"the SFT cache entry {entry} is unreadable (")
-    assert said[0].endswith(f"moved it aside to {entry.with_suffix('.unreadable.npz')} and training the warm start again")
+    assert said[0].endswith(f"moved it aside to {entry.with_suffix('.unreadable.npz')} and training it again")
     assert entry.with_suffix(".unreadable.npz").read_bytes() == damaged  # kept for whoever wants to look
     for a, b in zip(jax.tree.leaves(stored), jax.tree.leaves(redone)):  # redone: the same warm start
         np.testing.assert_array_equal(a, b)

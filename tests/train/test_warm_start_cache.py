@@ -1,0 +1,50 @@
+"""The warm-start cache (`sft.cache_dir`) for value pretraining: a run that loads a pretrained critic
+writes what the run that trained it wrote, and what an uncached run writes; the key tells apart the
+settings value pretraining depends on and no others."""
+
+import json
+
+from sao_jax.config import load_config
+from sao_jax.train import warm_start
+from sao_jax.train.loop import train
+
+RUN = ["model.preset=tiny_qwen3_moe", "env.train_prompts=16", "env.eval_prompts=2", "env.difficulty=[1]",
+       "rollout.num_slots=4", "rollout.max_total_tokens=64", "rollout.max_action_tokens=16", "train.batch_size=4",
+       "sft.steps=2", "sft.batch_size=4", "critic.pretrain_rollouts=8", "critic.pretrain_epochs=2",
+       "critic.warmup_steps=1", "train.steps=2", "train.eval_every=2", "train.checkpoint_every=2"]  # fmt: skip
+
+
+def lines_of(out):
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in line.items() if not k.startswith("time/")} for line in lines]
+
+
+def test_a_cached_pretrained_critic_gives_the_run_an_uncached_one_gives(tmp_path, caplog):
+    def run(name, *extra):
+        train(load_config(None, [*RUN, f"output_dir={tmp_path / name}", *extra]))
+        return lines_of(tmp_path / name)
+
+    cache = f"sft.cache_dir={tmp_path / 'cache'}"
+    plain = run("plain")
+    stored = run("stored", cache)
+    assert sorted(p.name.split("_")[0] for p in (tmp_path / "cache").iterdir()) == ["critic", "sft"]
+    with caplog.at_level("INFO", logger="sao_jax"):
+        loaded = run("loaded", cache)
+    assert any(r.getMessage().startswith("pretrained critic loaded from") for r in caplog.records)
+    pretraining = [line for line in plain if line.get("stage") == "value_pretrain"]
+    assert len(pretraining) == 2 and all(line["value_pretrain/corpus"] == 8 for line in pretraining)
+    # Every line, value pretraining's, the critic warmup's and RL's, is the uncached run's.
+    assert loaded == stored == plain
+
+
+def test_the_value_pretraining_key_follows_what_pretraining_depends_on():
+    key = warm_start.value_pretraining_cache_key
+    base = load_config(None, RUN)
+    # Rows that differ in their policy loss, lag, RL budget or the critic's RL optimizer share one.
+    for same in ("loss.name=pg", "rollout.policy_lag=4", "train.steps=9", "critic.optimizer.lr=1e-3",
+                 "critic.updates_per_policy_update=4", "critic.warmup_steps=3", "sft.cache_dir=/elsewhere"):
+        assert key(load_config(None, [*RUN, same])) == key(base), same
+    # The warm start, the corpus, the value head and the batch shape are other critics.
+    for other in ("seed=1", "sft.steps=3", "critic.pretrain_rollouts=16", "critic.pretrain_lr=1e-4",
+                  "critic.value_head=hl_gauss", "advantage.gamma=0.9", "train.batch_size=8"):
+        assert key(load_config(None, [*RUN, other])) != key(base), other
