@@ -772,7 +772,7 @@ def test_quick_run_of_a_stress_suites_row_trains_and_reports(tmp_path, suite, ro
 @pytest.mark.slow
 def test_quick_run_of_the_offpolicy_suites_no_correction_row_lags_measures_the_mismatch_and_reports(tmp_path):
     """The off-policy suite's no-correction row end to end with the real trainer on tiny budgets: the
-    lag clamped at the warm start (staleness 0, 1, 2 over 3 steps at L = 4), the mismatch measured on
+    lag clamped at the warm start (staleness 0, 1, 2 over 3 steps at L = 16), the mismatch measured on
     the lag-0 step, the diagnostics of the suite in the report."""
     from sao_jax.train.loop import train
 
