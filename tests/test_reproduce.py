@@ -165,10 +165,13 @@ def test_sao_rows_are_the_default_and_paired_rows_share_everything_but_their_var
     for (a, b), differ in pairs.items():
         a, b = (flatten(plain(load_config(ABLATIONS / "repair" / f"{name}.yaml"))) for name in (a, b))
         assert {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)} == differ
-    # The off-policy suite: DIS at L = 0 is the chain suite's SAO row; every row shares the DIS row's lag
-    # L > 0 and its settings but for the policy loss (the PPO-clip row also its clip range).
-    chain = plain(load_config(ABLATIONS / "chain" / "sao.yaml"))
-    assert plain(load_config(ABLATIONS / "offpolicy" / "dis_no_lag.yaml")) == chain
+    # The off-policy suite: DIS at L = 0 is the critic suite's SAO row but for its advantage-quality
+    # probe; every row shares the DIS row's lag L > 0 and its settings but for the policy loss (the
+    # PPO-clip row also its clip range).
+    critic_sao = flatten(plain(load_config(ABLATIONS / "critic" / "sao.yaml")))
+    no_lag = flatten(plain(load_config(ABLATIONS / "offpolicy" / "dis_no_lag.yaml")))
+    assert {k for k in critic_sao if critic_sao[k] != no_lag[k]} == {"train.probe_every"}
+    assert no_lag["train.probe_every"] == 0 and no_lag["rollout.policy_lag"] == 0
     dis = flatten(plain(load_config(ABLATIONS / "offpolicy" / "dis.yaml")))
     assert dis["rollout.policy_lag"] > 0
     for name, differ in {"pg": {"loss.name"}, "icepop": {"loss.name"}, "estr": {"loss.name"},
