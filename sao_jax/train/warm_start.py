@@ -81,12 +81,8 @@ def run_sft(run: Run, writer: MetricsWriter, *, stops: StopRequests | None = Non
     if sft_cfg.steps == 0:
         return params
     cached = Path(sft_cfg.cache_dir) / f"sft_{sft_cache_key(run.config)}.npz" if sft_cfg.cache_dir else None
-    entry = _read_cache_entry(run, cached, params, "SFT")
-    if entry is not None:
-        loaded, lines = entry
-        for line in lines:
-            writer.write(0, line)
-        log.info("warm start loaded from %s", cached)
+    loaded = _replay_cache_entry(run, cached, params, writer, "SFT")
+    if loaded is not None:
         return run.cluster.place(loaded)
     lines: list[dict[str, Any]] = []
     params = _train_sft(run, graph, params, buffers, writer, lines, stops)
@@ -94,14 +90,15 @@ def run_sft(run: Run, writer: MetricsWriter, *, stops: StopRequests | None = Non
     return params
 
 
-def _read_cache_entry(run: Run, path: Path | None, params, what: str) -> tuple[Any, list[dict[str, Any]]] | None:
-    """(params, metric lines) of the warm-start cache entry at `path`, or None when there is none. An
-    entry that does not load (truncated, corrupt, other shapes) is named in one warning and moved
-    aside to `<entry>.unreadable.npz`, and None is returned: `what` is then trained again."""
+def _replay_cache_entry(run: Run, path: Path | None, params, writer: MetricsWriter, what: str) -> Any | None:
+    """The params stored in the warm-start cache entry at `path`, with the metric lines that trained
+    them written again to `writer`; None when there is no entry. An entry that does not load
+    (truncated, corrupt, other shapes) is named in one warning and moved aside to
+    `<entry>.unreadable.npz`, and None is returned: `what` is then trained again."""
     if path is None or not path.exists():
         return None
     try:
-        return _load_cache_entry(path, params)
+        loaded, lines = _load_cache_entry(path, params)
     except Exception as error:  # noqa: BLE001 — any unreadable entry is redone, named in one line
         aside = free_name(path, "unreadable")
         if run.cluster.is_primary:  # the cache may be shared by the processes: one moves it
@@ -109,6 +106,10 @@ def _read_cache_entry(run: Run, path: Path | None, params, what: str) -> tuple[A
         log.warning("the %s cache entry %s is unreadable (%s: %s); moved it aside to %s and training it again",
                     what, path, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "", aside)
         return None
+    for line in lines:
+        writer.write(0, line)
+    log.info("%s loaded from the cache entry %s, its metric lines replayed", what, path)
+    return loaded
 
 
 def _write_cache_entry(path: Path | None, params, lines: list[dict[str, Any]]) -> None:
@@ -222,12 +223,8 @@ def run_value_pretraining(run: Run, state, graphs, rollout_loop: AgentLoop, crit
         return run.cluster.place(state.replace(critic_opt_state=critic_tx.init(state.critic_params)))
     cache_dir = config.sft.cache_dir
     cached = Path(cache_dir) / f"critic_{value_pretraining_cache_key(config)}.npz" if cache_dir else None
-    entry = _read_cache_entry(run, cached, state.critic_params, "value pretraining")
-    if entry is not None:
-        critic_params, lines = entry
-        for line in lines:
-            writer.write(0, line)
-        log.info("pretrained critic loaded from %s", cached)
+    critic_params = _replay_cache_entry(run, cached, state.critic_params, writer, "value pretraining")
+    if critic_params is not None:
         return run.cluster.place(state.replace(critic_params=critic_params, critic_opt_state=critic_tx.init(critic_params)))
     weights = policy_weights(state, graphs)
     rng = np.random.default_rng([config.seed, VALUE_PRETRAIN_STREAM])

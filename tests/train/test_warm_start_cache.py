@@ -28,7 +28,7 @@ def test_a_cached_pretrained_critic_gives_the_run_that_trained_it(tmp_path, capl
     assert sorted(p.name.split("_")[0] for p in (tmp_path / "cache").iterdir()) == ["critic", "sft"]
     with caplog.at_level("INFO", logger="sao_jax"):
         loaded = run("loaded")
-    assert any(r.getMessage().startswith("pretrained critic loaded from") for r in caplog.records)
+    assert any(r.getMessage().startswith("value pretraining loaded from the cache entry") for r in caplog.records)
     pretraining = [line for line in stored if line.get("stage") == "value_pretrain"]
     assert len(pretraining) == 2 and all(line["value_pretrain/corpus"] == 8 for line in pretraining)
     # Every line is the same: value pretraining's, the critic warmup's (the loaded critic's first
