@@ -461,10 +461,6 @@ def t_critical(df: int, level: float = 0.95) -> float:
     return table[max(k for k in table if k <= df)]
 
 
-def t_critical_95(df: int) -> float:
-    return t_critical(df, 0.95)
-
-
 def mean_ci(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
     """(mean, half-width) of the t-interval at `level`: x̄ ± t_{(1+level)/2, n−1} · s/√n, s the sample
     standard deviation (n−1 in the denominator). Half-width NaN for a single value."""

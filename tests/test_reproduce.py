@@ -270,9 +270,9 @@ def test_t_table_matches_scipy_and_rounds_down_to_a_wider_interval():
     for df, value in reproduce.T_975.items():
         assert value == pytest.approx(stats.t.ppf(0.975, df), abs=6e-4), df
     for df in (35, 45, 100, 500):  # between table entries: the next smaller df, never narrower
-        assert reproduce.t_critical_95(df) >= stats.t.ppf(0.975, df)
+        assert reproduce.t_critical(df, 0.95) >= stats.t.ppf(0.975, df)
     with pytest.raises(ValueError, match="degrees of freedom"):
-        reproduce.t_critical_95(0)
+        reproduce.t_critical(0)
 
 
 def test_99_table_matches_scipy_and_excludes_zero_reads_both_levels():

@@ -167,8 +167,3 @@ def smolagents_episode(prompt: Prompt, base_url: str, episode_id: str) -> float:
         pass
     return reward(files, prompt.metadata["files"])
 
-
-def demonstration_files(prompt: Prompt) -> dict[str, str]:
-    """The repository of `prompt` with its bug fixed (what a perfect agent would leave)."""
-    return repository(prompt.metadata["bug"], fixed=True)
-
