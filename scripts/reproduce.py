@@ -4,6 +4,7 @@
                                                               # report -> results/table4.md, results/table4/*.png
     python scripts/reproduce.py --suite all --quick           # smoke run, 1 seed, tiny budgets -> results/quick/
     python scripts/reproduce.py --suite open --report-only    # tables and plots from the metrics already there
+    python scripts/reproduce.py --suite critic --seeds 10 --status   # which runs are done, started, not started
     python scripts/reproduce.py --suite table5 --seeds 3 train.steps=400   # key=value overrides for every run
     python scripts/reproduce.py --suite open --seeds 2 --rows dis estr     # only these rows
     python scripts/reproduce.py --suite chain --seeds 10 --out /scratch --archive results
@@ -29,7 +30,9 @@ A folder whose config.yaml differs from the config it would run now is an error,
 two settings. Each run calls `sao_jax.train.loop.train` in this process (not a `sao-train`
 subprocess): no interpreter and JAX start per run, one persistent XLA compilation cache for the
 whole suite, and the runner is testable with a stub in place of `train`. A run that raises is
-reported and the suite goes on (rerun the command to resume it).
+reported and the suite goes on (rerun the command to resume it). SIGTERM or Ctrl-C stops the run in
+hand after its step, saved, and then the suite, exiting 143 or 130; rerunning the command resumes.
+`--status` prints which runs are done, started (RL steps logged) or not started.
 
 Report (from metrics.jsonl files alone): per row, over seeds, mean ± 95 % CI
 (t-distribution, n−1 degrees of freedom) of the final held-out success (the last `eval/success_rate`),
@@ -59,6 +62,7 @@ import gzip
 import json
 import math
 import shutil
+import signal
 import sys
 import tempfile
 import traceback
@@ -291,6 +295,36 @@ def run_dir(out: Path, suite: str, row: str, seed: int) -> Path:
     return Path(out) / suite / row / f"seed{seed}"
 
 
+def run_progress(output_dir: Path) -> str:
+    """Where one run stands: "done" (its summary.json exists), "k/N" (started: k of its N =
+    `train.steps` RL steps logged, 0 while in its warm start) or "·" (no folder of it)."""
+    if (output_dir / "summary.json").exists():
+        return "done"
+    saved = output_dir / "config.yaml"
+    if not saved.exists():
+        return "·"
+    steps = yaml.safe_load(saved.read_text())["train"]["steps"]
+    metrics = output_dir / "metrics.jsonl"
+    lines = [json.loads(text) for text in metrics.read_text().splitlines() if text.endswith("}")] if metrics.exists() else []
+    logged = max((line["step"] for line in lines if "stage" not in line and "policy/loss" in line), default=0)
+    return f"{logged}/{steps}"
+
+
+def suite_status(suite_name: str, seeds: int, out: Path) -> str:
+    """A Markdown table of the suite's rows × seeds 0..seeds−1 under `out` (`run_progress` of each), and
+    how many runs are done, started and not started."""
+    progress = {(row.name, seed): run_progress(run_dir(out, suite_name, row.name, seed))
+                for row in SUITES[suite_name].rows for seed in range(seeds)}  # fmt: skip
+    lines = [f"| row | {' | '.join(f'seed {k}' for k in range(seeds))} |", f"|---|{'---|' * seeds}"]
+    for row in SUITES[suite_name].rows:
+        lines.append(f"| {row.name} | {' | '.join(progress[row.name, k] for k in range(seeds))} |")
+    done = sum(p == "done" for p in progress.values())
+    started = sum(p not in ("done", "·") for p in progress.values())
+    lines.append(f"\n{suite_name} under {out}: {done} of {len(progress)} runs done, {started} started, "
+                 f"{len(progress) - done - started} not started")
+    return "\n".join(lines)
+
+
 def quick_overrides(config: Any, suite: Suite) -> list[str]:
     """The --quick budget caps for `config`, then the suite's own quick settings."""
     caps = []
@@ -406,8 +440,10 @@ def run_suite(suite_name: str, seeds: int, out: Path, *, overrides: Sequence[str
               train_fn: Callable | None = None, log: Callable[[str], None] = print,
               rows: Sequence[str] | None = None) -> dict[str, list[str]]:  # fmt: skip
     """Every row x seed of a suite (only `rows`, if given); returns {"skipped"|"resumed"|"ran"|"failed":
-    [run folders]}."""
+    [run folders]}. A run that raises is reported and the suite goes on; a run stopped by SIGTERM or
+    SIGINT (`Interrupted`: its step in hand saved) stops the suite: the exception propagates."""
     from sao_jax.config import load_config
+    from sao_jax.train.signals import Interrupted
 
     if train_fn is None:
         from sao_jax.train.loop import train as train_fn
@@ -427,6 +463,9 @@ def run_suite(suite_name: str, seeds: int, out: Path, *, overrides: Sequence[str
                 extra = quick_overrides(load_config(path, overrides), suite) if quick else []
                 status = run_one(path, output_dir, seed, [*extra, *overrides], train_fn=train_fn,
                                  calibrate=CALIBRATIONS.get((suite_name, row.name)))
+            except Interrupted:  # the signal was meant for the suite, not only for its run in hand
+                log(f"stopped  {output_dir}")
+                raise
             except Exception:  # noqa: BLE001 — one broken row must not stop the others; it is reported
                 log(f"FAILED {output_dir}:\n{traceback.format_exc()}")
                 status = "failed"
@@ -1494,6 +1533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 seed, tiny budgets, under OUT/quick/")
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--report-only", action="store_true", help="write the tables and plots, run nothing")
+    parser.add_argument("--status", action="store_true",
+                        help="print which runs under OUT are done, started (RL steps logged) or not started; run nothing")  # fmt: skip
     parser.add_argument("--rows", nargs="+", default=None, help="run only these rows of the suite (the report has all)")
     parser.add_argument("--archive", type=Path, default=None,
                         help="copy the finished runs under OUT to ARCHIVE (compressed metrics, summary, config; "
@@ -1502,10 +1543,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.seeds < 1:
         parser.error(f"--seeds must be >= 1 (got {args.seeds})")
+    from sao_jax.train.signals import Interrupted, exit_status
+
+    try:
+        return _reproduce(args)
+    except Interrupted as stopped:
+        saved = "" if stopped.step is None else f" at RL step {stopped.step}, saved"
+        print(f"interrupted by {signal.Signals(stopped.signum).name}{saved}; rerun the same command to resume "
+              "the suite", file=sys.stderr)  # fmt: skip
+        return exit_status(stopped.signum)
+
+
+def _reproduce(args: argparse.Namespace) -> int:
+    """`main` after the arguments are parsed: run, archive and report each suite; 1 if a run failed."""
     out = args.out / "quick" if args.quick else args.out
     seeds = 1 if args.quick else args.seeds
     failed = []
     for name in SUITES if args.suite == "all" else [args.suite]:
+        if args.status:
+            print(suite_status(name, seeds, out))
+            continue
         if not args.report_only:
             import jax
 

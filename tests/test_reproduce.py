@@ -6,6 +6,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import signal
 import sys
 import time
 
@@ -14,6 +15,7 @@ import yaml
 
 from sao_jax.config import ConfigError, load_config, to_dict
 from sao_jax.envs.judges import STYLES
+from sao_jax.train.signals import Interrupted
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
@@ -703,6 +705,67 @@ def test_a_folder_of_another_config_is_an_error_and_a_failing_row_does_not_stop_
                                   log=messages.append)  # fmt: skip
     assert len(outcome["failed"]) == 3
     assert any("differs in train.steps" in m for m in messages)
+
+
+class InterruptedTrain(StubTrain):
+    """A stub whose run of `stop_on` stops as a signal stops `train`: step 4 saved, `Interrupted`."""
+
+    def __init__(self, stop_on):
+        super().__init__()
+        self.stop_on = stop_on
+
+    def __call__(self, config, *, resume):
+        if self.stop_on in config.output_dir:
+            self.calls.append((config, resume))
+            raise Interrupted(signal.SIGTERM, 4)
+        return super().__call__(config, resume=resume)
+
+
+def test_a_signal_stops_the_suite_after_the_run_in_hand_and_exits_143_in_one_line(tmp_path, monkeypatch, capsys):
+    import jax
+
+    from sao_jax.train import loop
+
+    train = InterruptedTrain("step_average")  # the second of table5's three rows
+    monkeypatch.setattr(loop, "train", train)
+    cache_dir = jax.config.jax_compilation_cache_dir  # `main` points it at OUT/.jax_cache
+    try:
+        status = reproduce.main(["--suite", "table5", "--seeds", "2", "--out", str(tmp_path)])
+    finally:
+        jax.config.update("jax_compilation_cache_dir", cache_dir)
+    assert status == 143
+    ran = [pathlib.Path(c.output_dir).relative_to(tmp_path).as_posix() for c, _ in train.calls]
+    assert ran == ["table5/token_level/seed0", "table5/token_level/seed1", "table5/step_average/seed0"]
+    out, err = capsys.readouterr()
+    assert f"stopped  {tmp_path / 'table5' / 'step_average' / 'seed0'}" in out.splitlines()
+    assert err.splitlines() == ["interrupted by SIGTERM at RL step 4, saved; rerun the same command to resume the suite"]
+    assert not (tmp_path / "table5.md").exists()  # no report of a suite cut short
+
+
+def test_status_shows_each_run_done_started_at_its_rl_step_or_not_started(tmp_path, capsys):
+    done = reproduce.run_dir(tmp_path, "table5", "token_level", 0)
+    done.mkdir(parents=True)
+    (done / "summary.json").write_text("{}")
+    started = reproduce.run_dir(tmp_path, "table5", "step_average", 1)
+    started.mkdir(parents=True)
+    (started / "config.yaml").write_text(yaml.safe_dump({"train": {"steps": 200}}))
+    lines = [{"stage": "sft", "step": 0, "sft/loss": 1.0}, {"step": 0, "eval/success_rate": 0.2},
+             {"step": 1, "policy/loss": 0.1}, {"step": 2, "policy/loss": 0.1}, {"step": 2, "eval/success_rate": 0.3}]
+    (started / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"step": 3, "pol')
+    warming = reproduce.run_dir(tmp_path, "table5", "step_last_token", 0)
+    warming.mkdir(parents=True)
+    (warming / "config.yaml").write_text(yaml.safe_dump({"train": {"steps": 50}}))
+    assert reproduce.main(["--suite", "table5", "--seeds", "2", "--out", str(tmp_path), "--status"]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "| row | seed 0 | seed 1 |",
+        "|---|---|---|",
+        "| token_level | done | · |",
+        "| step_average | · | 2/200 |",
+        "| step_last_token | 0/50 | · |",
+        "",
+        f"table5 under {tmp_path}: 1 of 6 runs done, 2 started, 3 not started",
+    ]
+    assert not (tmp_path / "table5.md").exists()
 
 
 def test_quick_caps_budgets_but_keeps_a_critic_free_row_without_value_pretraining(tmp_path):
