@@ -249,6 +249,11 @@ class EnvConfig:
     difficulty: tuple[int, ...] = ranged((2, 3, 3), AT_LEAST_1)
     # Size of the training prompt pool (per-prompt baselines key on it); unused with `train_file`.
     train_prompts: int = ranged(4096, AT_LEAST_1)
+    # RL's prompts: the first `rl_prompts` of the training pool (0: all of it). RL's prompt stream, value
+    # pretraining, the critic warmup and the advantage probe draw from them; SFT demonstrates the whole
+    # pool, so a small pool that recurs in RL keeps the warm start of the full one (results/DESIGN.md,
+    # critic suite: SFT on 200 prompts alone memorises them and samples each the same way every time).
+    rl_prompts: int = ranged(0, NON_NEGATIVE)
     # Held-out prompts, drawn from a separate stream. 256: the sampling noise of one evaluation (a
     # standard error of ~3 points at 50 % success) stays below the differences a user looks for.
     eval_prompts: int = ranged(256, AT_LEAST_1)
@@ -267,6 +272,9 @@ class EnvConfig:
         out = [] if self.name in ENVIRONMENTS else [("name", _not_one_of(self.name, ENVIRONMENTS))]
         if self.bad_prompts not in ("error", "skip"):
             out.append(("bad_prompts", f"must be error or skip (got {self.bad_prompts!r})"))
+        if self.train_file is None and self.rl_prompts > self.train_prompts:
+            out.append(("rl_prompts", f"must be at most env.train_prompts={self.train_prompts}, the pool it is the "
+                                      f"first prompts of (got {self.rl_prompts})"))  # fmt: skip
         return out
 
 

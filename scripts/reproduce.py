@@ -280,7 +280,8 @@ SUITES["critic"] = Suite((
 QUICK_CAPS: dict[str, int] = {
     "sft.steps": 20, "sft.batch_size": 8, "critic.pretrain_rollouts": 16, "critic.pretrain_epochs": 1,
     "critic.warmup_steps": 1, "train.steps": 6, "train.batch_size": 8, "train.eval_every": 3,
-    "train.checkpoint_every": 3, "env.train_prompts": 64, "env.eval_prompts": 16, "rollout.num_slots": 8,
+    "train.checkpoint_every": 3, "env.train_prompts": 64, "env.rl_prompts": 16, "env.eval_prompts": 16,
+    "rollout.num_slots": 8,
 }  # fmt: skip
 
 

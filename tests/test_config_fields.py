@@ -150,6 +150,7 @@ EFFECTS: dict[str, tuple[typing.Any, list[str]]] = {
     "env.name": ("guessing", []),
     "env.difficulty": ([2], []),
     "env.train_prompts": (9, []),
+    "env.rl_prompts": (4, []),
     "env.eval_prompts": (3, []),
     "env.eval_greedy": (True, []),
     "env.train_file": ("PROMPT_FILE", []),

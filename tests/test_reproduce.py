@@ -121,8 +121,9 @@ ROW_SETTINGS = {
                                       "critic.trainable_patterns": [".*"]},
     "repair/cross_trained_attention": {"env.name": "repair", "advantage.estimator": "cross_observation_gae",
                                        "critic.trainable_patterns": [".*"]},
-    "critic/sao_pool": {"env.name": "chain", "env.train_prompts": 200, "advantage.estimator": "skip_observation_gae"},
-    "critic/running_mean_pool": {"env.train_prompts": 200, "advantage.estimator": "running_mean",
+    "critic/sao_pool": {"env.name": "chain", "env.train_prompts": 4096, "env.rl_prompts": 200,
+                        "advantage.estimator": "skip_observation_gae"},
+    "critic/running_mean_pool": {"env.train_prompts": 4096, "env.rl_prompts": 200, "advantage.estimator": "running_mean",
                                  "advantage.running_mean_scope": "per_prompt", "advantage.running_mean_window": 8,
                                  "critic.pretrain_rollouts": 0, "critic.warmup_steps": 0},
     "critic/running_mean": {"env.train_prompts": 4096, "advantage.estimator": "running_mean",
@@ -190,13 +191,19 @@ def test_critic_suite_rows_differ_only_in_their_variable_and_share_trajectories(
         return {k for k in a.keys() | b.keys() if a.get(k) != b.get(k)}
 
     sao, sao_pool = row("sao"), row("sao_pool")
-    assert differ(sao, sao_pool) == {"env.train_prompts"}
-    assert differ(row("running_mean"), row("running_mean_pool")) == {"env.train_prompts"}
+    assert differ(sao, sao_pool) == {"env.rl_prompts"}  # RL's prompts only: SFT's pool is the same
+    assert differ(row("running_mean"), row("running_mean_pool")) == {"env.rl_prompts"}
     for n in (0, 256, 1024):
         assert differ(sao, row(f"sao_pretrain{n}")) == {"critic.pretrain_rollouts"}
     # The pool recurs: ≥ 16 draws of each prompt on average over the run; the large pool does not.
-    assert sao["train.steps"] * sao["train.batch_size"] / sao_pool["env.train_prompts"] >= 16
+    assert sao["train.steps"] * sao["train.batch_size"] / sao_pool["env.rl_prompts"] >= 16
     assert sao["train.steps"] * sao["train.batch_size"] / sao["env.train_prompts"] < 1
+    # Both pools' rows start from one warm start (SFT on the whole pool) but pretrain the critic on their own.
+    from sao_jax.train.warm_start import sft_cache_key, value_pretraining_cache_key
+
+    big, small = (load_config(ABLATIONS / "critic" / f"{name}.yaml") for name in ("sao", "sao_pool"))
+    assert sft_cache_key(big) == sft_cache_key(small)
+    assert value_pretraining_cache_key(big) != value_pretraining_cache_key(small)
     # Equal budgets: every row makes the same policy updates on the same number of trajectories a step.
     for name in ("running_mean", "grpo_dis", "running_mean_pool"):
         assert (row(name)["train.steps"], row(name)["train.batch_size"]) == (sao["train.steps"], sao["train.batch_size"])

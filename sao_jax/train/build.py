@@ -53,7 +53,7 @@ class Run:
     tokenizer: CharTokenizer | HFTokenizer
     env_cls: Any
     env_kwargs: dict[str, Any]
-    train_prompts: list[Any]
+    train_prompts: list[Any]  # RL's: the first `env.rl_prompts` of the training pool (all of it when 0)
     eval_prompts: list[Any]
     policy: models.Policy
     buckets: tuple[int, ...]
@@ -62,6 +62,7 @@ class Run:
     scaffold: ScaffoldSettings | None = None  # env.name=scaffold: a scaffold runs the episodes
     # env.bad_prompts=skip: {"env.train_file" or "env.eval_file": prompts left out of it}, where any were.
     skipped_prompts: dict[str, int] = dataclasses.field(default_factory=dict)
+    sft_prompts: list[Any] = dataclasses.field(default_factory=list)  # the whole training pool, SFT's
 
     def env_factory(self, prompt):
         return make_env(self.env_cls, self.env_kwargs, self.chat_format)
@@ -138,6 +139,10 @@ def build_run(config: Config) -> Run:
                                 skipped=skipped["env.train_file"])  # fmt: skip
     eval_prompts = prompt_pool(config, env_cls, env.eval_file, env.eval_prompts, EVAL_STREAM, key="env.eval_file",
                                check=check, demonstrated=probed, skipped=skipped["env.eval_file"])  # fmt: skip
+    if env.rl_prompts > len(train_prompts):
+        raise ConfigError(f"env.rl_prompts={env.rl_prompts} is more than the {len(train_prompts)} usable prompts of "
+                          f"env.train_file={env.train_file}")  # fmt: skip
+    rl_prompts = train_prompts[: env.rl_prompts] if env.rl_prompts else train_prompts
     skipped_prompts = {key: len(problems) for key, problems in skipped.items() if problems}
     if skipped_prompts and cluster.is_primary:
         first = next(problems[0] for problems in skipped.values() if problems)
@@ -171,8 +176,8 @@ def build_run(config: Config) -> Run:
         policy = make_policy() if cluster.mesh is None else sharding.sharded_init(make_policy, cluster.mesh)
     length = config.rollout.max_total_tokens
     buckets = tuple(sorted({max(16, length // 2), length}))
-    return Run(config, tokenizer, env_cls, env_options(config), train_prompts, eval_prompts, policy, buckets, cluster,
-               chat_format, scaffold, skipped_prompts)  # fmt: skip
+    return Run(config, tokenizer, env_cls, env_options(config), rl_prompts, eval_prompts, policy, buckets, cluster,
+               chat_format, scaffold, skipped_prompts, sft_prompts=train_prompts)  # fmt: skip
 
 
 def scaffold_settings(config: Config) -> ScaffoldSettings | None:

@@ -50,6 +50,7 @@ def sft_cache_key(config: Config) -> str:
     """Hash of every setting the warm start depends on (not `sft.cache_dir` itself)."""
     parts = {name: to_dict(getattr(config, name)) for name in ("model", "env", "sft", "rollout", "mesh")}
     parts["sft"].pop("cache_dir")
+    parts["env"].pop("rl_prompts")  # SFT demonstrates the whole pool, whatever share of it RL draws from
     for name in ("policy_lag", "policy_lag_spread"):  # RL's sampling only: the rows of any lag share one
         parts["rollout"].pop(name)
     parts["seed"] = config.seed
@@ -57,8 +58,8 @@ def sft_cache_key(config: Config) -> str:
 
 
 def value_pretraining_cache_key(config: Config) -> str:
-    """Hash of every setting value pretraining depends on: the warm start's (`sft_cache_key`); the
-    critic's but its RL optimizer, K and warmup steps; the advantage settings, the value clip, the
+    """Hash of every setting value pretraining depends on: the warm start's (`sft_cache_key`); RL's
+    prompts (`env.rl_prompts`); the critic's but its RL optimizer, K and warmup steps; the advantage settings, the value clip, the
     scaffold and the batch shape. Rows that differ only in their policy loss, their policy lag or
     their RL budget share one pretrained critic."""
     critic = to_dict(config.critic)
@@ -67,6 +68,8 @@ def value_pretraining_cache_key(config: Config) -> str:
     parts = {"warm_start": sft_cache_key(config), "critic": critic, "advantage": to_dict(config.advantage),
              "value_clip_eps": config.loss.value_clip_eps, "scaffold": to_dict(config.scaffold),
              "train": {name: getattr(config.train, name) for name in ("batch_size", "micro_batch_size", "logit_chunk")}}
+    if config.env.rl_prompts:  # its prompts; absent at 0 (the whole pool), as in the keys stored before it existed
+        parts["rl_prompts"] = config.env.rl_prompts
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -157,7 +160,7 @@ def _train_sft(run: Run, graph, params, buffers, writer: MetricsWriter, lines: l
 
     with tqdm(range(sft_cfg.steps), desc="sft", leave=False) as bar:
         for i in bar:
-            prompts = [run.train_prompts[j] for j in rng.integers(0, len(run.train_prompts), sft_cfg.batch_size)]
+            prompts = [run.sft_prompts[j] for j in rng.integers(0, len(run.sft_prompts), sft_cfg.batch_size)]
             weak = np.isin(np.arange(sft_cfg.batch_size), rng.choice(sft_cfg.batch_size, num_weak, replace=False))
             demos = [demonstration_trajectory(run.env_factory(p), p, run.demonstration(p, weak=bool(w)), run.tokenizer,
                                               add_bos=run.chat_format is None) for p, w in zip(prompts, weak)]  # fmt: skip

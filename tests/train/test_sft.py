@@ -189,3 +189,32 @@ def test_sft_stops_at_the_first_check_that_reaches_the_target(tmp_path, monkeypa
                     if demo.action_mask[t] and t != tag_letter)
         expected.append(np.exp(total))
     assert checks[-1]["sft/demonstration_probability"] == pytest.approx(float(np.mean(expected)), rel=1e-4)
+
+
+def test_sft_demonstrates_the_whole_training_pool_while_rl_draws_from_its_first_rl_prompts(tmp_path, monkeypatch):
+    """`env.rl_prompts=4` of a 16-prompt pool: the run's RL prompts are the pool's first 4 (ids 0-3),
+    SFT's the whole pool, and SFT's batches draw from all 16 (a pool too small to demonstrate alone)."""
+    from sao_jax.config import load_config
+    from sao_jax.metrics import MetricsWriter
+    from sao_jax.train import build, warm_start
+
+    overrides = ["sft.steps=3", "sft.batch_size=8", "sft.target_demonstration_probability=0", "env.train_prompts=16",
+                 f"output_dir={tmp_path}"]  # fmt: skip
+    whole = build.build_run(load_config(overrides=overrides))
+    run = build.build_run(load_config(overrides=[*overrides, "env.rl_prompts=4"]))
+    assert [p.text for p in run.sft_prompts] == [p.text for p in whole.sft_prompts] == [p.text for p in whole.train_prompts]
+    assert [p.text for p in run.train_prompts] == [p.text for p in whole.train_prompts[:4]]
+    assert [p.id for p in run.train_prompts] == [0, 1, 2, 3]
+    demonstrated = []
+    demonstration = run.demonstration
+    monkeypatch.setattr(run, "demonstration", lambda prompt, **kw: demonstrated.append(prompt.id) or demonstration(prompt, **kw))
+    with MetricsWriter(tmp_path, tensorboard=False) as writer:
+        warm_start.run_sft(run, writer)
+    assert len(demonstrated) == 24 and max(demonstrated) >= 4  # P(all 24 draws among the first 4) = 4^-24
+
+
+def test_rl_prompts_beyond_the_pool_is_one_error_naming_the_key():
+    from sao_jax.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^env.rl_prompts must be at most env.train_prompts=16, .*\(got 17\)"):
+        load_config(overrides=["env.train_prompts=16", "env.rl_prompts=17"])

@@ -12,6 +12,9 @@ RUN = ["model.preset=tiny_qwen3_moe", "env.train_prompts=16", "env.eval_prompts=
        "rollout.num_slots=4", "rollout.max_total_tokens=64", "rollout.max_action_tokens=16", "train.batch_size=4",
        "sft.steps=2", "sft.batch_size=4", "critic.pretrain_rollouts=8", "critic.pretrain_epochs=2",
        "critic.warmup_steps=1", "train.steps=0"]  # fmt: skip
+# RUN's value-pretraining key as commit 8a5abc9 computed it, before `env.rl_prompts` existed: critics
+# pretrained then are found in the cache now.
+OLD_KEY = "631bec4b8367dbcc"
 
 
 def lines_of(out):
@@ -48,3 +51,8 @@ def test_the_value_pretraining_key_follows_what_pretraining_depends_on():
     for other in ("seed=1", "sft.steps=3", "critic.pretrain_rollouts=16", "critic.pretrain_lr=1e-4",
                   "critic.value_head=hl_gauss", "advantage.gamma=0.9", "train.batch_size=8"):
         assert key(load_config(None, [*RUN, other])) != key(base), other
+    # RL's share of the pool is the pretraining corpus's, not the warm start's (SFT demonstrates the pool).
+    fewer = load_config(None, [*RUN, "env.rl_prompts=8"])
+    assert key(fewer) != key(base) and warm_start.sft_cache_key(fewer) == warm_start.sft_cache_key(base)
+    # At rl_prompts 0 (the whole pool) the key is the one stored before the setting existed (commit 8a5abc9).
+    assert key(base) == OLD_KEY
