@@ -592,6 +592,12 @@ def last_steps_mean(lines: Sequence[Mapping[str, Any]], key: str, steps: int) ->
     return float(np.mean(values)) if values else None
 
 
+def first_steps_mean(lines: Sequence[Mapping[str, Any]], key: str, steps: int) -> float | None:
+    """Mean of `key` over the run's first `steps` RL steps that log it; None if none does."""
+    values = [line[key] for line in rl_lines(lines) if line.get(key) is not None][:steps]
+    return float(np.mean(values)) if values else None
+
+
 def last_stage_value(lines: Sequence[Mapping[str, Any]], stage: str, key: str) -> float | None:
     """`key` on the last line of warm-start `stage` (e.g. the last value-pretraining epoch's critic
     explained variance); None if there is no such line or it lacks `key`."""
@@ -859,6 +865,10 @@ def diagnostic_columns(levels: Sequence[str] = (), rl_means: Sequence[tuple[str,
         Diagnostic("probe correlation", "the mean over the run's advantage probes of the correlation between "
                    "the estimator's advantage at a decision and its Monte-Carlo Q − V (`train.probe_every`)",
                    lambda lines, _: rl_mean(lines, "probe/advantage_correlation")),
+        Diagnostic("policy entropy (first 5 steps)", "the mean over the first 5 RL steps of the policy's entropy "
+                   "(nats) on the tokens it kept, under the sampling distribution: the warm start's (near 0: "
+                   "each prompt answered the same way every time)",
+                   lambda lines, _: first_steps_mean(lines, "policy/kept_entropy_mean", 5), spec=".3f"),
         Diagnostic("train success % (last 25 steps)", "the mean success of the training rollouts over the "
                    "run's last 25 RL steps (beside the held-out success: a gap is memorisation of the pool)",
                    lambda lines, _: last_steps_mean(lines, "train/success_rate", 25), scale=100.0, spec=".1f"),

@@ -352,6 +352,14 @@ def test_per_run_diagnostics_against_hand_computation():
     assert reproduce.rl_mean(lines, "policy/advantage_mean") == pytest.approx(0.1)  # (0.1 + 0.3 − 0.1 + 0.1) / 4
     assert reproduce.rl_mean(lines, "policy/masked_fraction") is None
     assert reproduce.last_stage_value(lines, "value_pretrain", "critic/explained_variance") == 0.3
+    # The first RL steps that log a key: the warm start's policy entropy, SFT's stage lines left out.
+    entropy = "policy/kept_entropy_mean"
+    early = [{"step": 0, "stage": "sft", entropy: 9.0}, {"step": 1, entropy: 0.2}, {"step": 2}, {"step": 3, entropy: 0.4},
+             {"step": 4, entropy: 0.9}]  # fmt: skip
+    assert reproduce.first_steps_mean(early, entropy, 1) == pytest.approx(0.2)
+    assert reproduce.first_steps_mean(early, entropy, 2) == pytest.approx(0.3)
+    assert reproduce.first_steps_mean(early, entropy, 5) == pytest.approx(0.5)
+    assert reproduce.first_steps_mean(early[:1], entropy, 5) is None
     assert reproduce.last_stage_value(lines, "sft", "critic/explained_variance") is None
     # The last evaluation is step 3's; level_1 was logged at step 0 only.
     assert reproduce.at_last_eval(lines, "eval/tool_share/est") == 0.4
