@@ -72,8 +72,8 @@ RESUMABLE_CHANGES = (
 # `--allow-config-change`, compare no config) is named with that key, not called unreadable.
 SHAPING_KEYS = (
     "model.preset", "model.pretrained", "model.param_dtype", "critic.trainable_patterns", "env.train_prompts",
-    "env.rl_prompts", "env.train_file", "advantage.estimator", "advantage.running_mean_scope", "advantage.running_mean_window",
-    "loss.kl_coef",
+    "env.rl_prompts", "env.train_file", "advantage.estimator", "advantage.running_mean_scope",
+    "advantage.running_mean_window", "loss.kl_coef",
 )  # fmt: skip
 
 # The checkpoint item of sync mode's lagged policy versions, and the prefix of their digest entries.

@@ -59,9 +59,9 @@ def sft_cache_key(config: Config) -> str:
 
 def value_pretraining_cache_key(config: Config) -> str:
     """Hash of every setting value pretraining depends on: the warm start's (`sft_cache_key`); RL's
-    prompts (`env.rl_prompts`); the critic's but its RL optimizer, K and warmup steps; the advantage settings, the value clip, the
-    scaffold and the batch shape. Rows that differ only in their policy loss, their policy lag or
-    their RL budget share one pretrained critic."""
+    prompts (`env.rl_prompts`); the critic's but its RL optimizer, K and warmup steps; the advantage
+    settings, the value clip, the scaffold and the batch shape. Rows that differ only in their policy
+    loss, their policy lag or their RL budget share one pretrained critic."""
     critic = to_dict(config.critic)
     for name in ("optimizer", "updates_per_policy_update", "warmup_steps"):
         critic.pop(name)
