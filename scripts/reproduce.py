@@ -1032,27 +1032,27 @@ def interaction_table(suite_name: str, suite: Suite, out: Path) -> list[str]:
 
 
 def pretraining_points(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], out: Path,
-                       suite_name: str) -> list[tuple[int, str, list[float], list[float]]]:  # fmt: skip
-    """(corpus size, row label, per-seed critic EV at the end of value pretraining, per-seed final
-    success) per row, by corpus size; the size is `critic.pretrain_rollouts` of the runs' config.yaml."""
+                       suite_name: str) -> list[tuple[int, str, list[tuple[float | None, float]]]]:  # fmt: skip
+    """(corpus size, row label, per seed in seed order (the critic's explained variance at the end of
+    value pretraining, None for a run without it; final held-out success)) per finished row, by corpus
+    size; the size is `critic.pretrain_rollouts` of the runs' config.yaml."""
     points = []
     for row in comparison.rows:
         folders = finished_runs(out, suite_name, row.name)
         if not folders:
             continue
         config = yaml.safe_load((next(iter(folders.values())) / "config.yaml").read_text())
-        by_seed = runs.get(row.name, {})
-        ev = [v for v in (last_stage_value(lines, VALUE_PRETRAIN_STAGE, EV_KEY) for lines in by_seed.values())
-              if v is not None]  # fmt: skip
-        points.append((int(config["critic"]["pretrain_rollouts"]), row.label, ev,
-                       [run_scores(lines)["final"] for lines in by_seed.values()]))
-    return sorted(points)
+        per_seed = [(last_stage_value(lines, VALUE_PRETRAIN_STAGE, EV_KEY), run_scores(lines)["final"])
+                    for _, lines in sorted(runs.get(row.name, {}).items())]  # fmt: skip
+        points.append((int(config["critic"]["pretrain_rollouts"]), row.label, per_seed))
+    return sorted(points, key=lambda point: point[0])
 
 
 def plot_pretraining_curve(comparison: Comparison, runs: Mapping[str, Mapping[int, list]], out: Path,
                            suite_name: str) -> Path | None:  # fmt: skip
     """Value-pretraining corpus size → the critic's explained variance at the end of pretraining →
-    final held-out success: mean and 95 % CI over seeds, one point per row."""
+    final held-out success: mean and 95 % CI over seeds, one point per row; and per seed, EV against
+    final success."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -1062,21 +1062,26 @@ def plot_pretraining_curve(comparison: Comparison, runs: Mapping[str, Mapping[in
     if not points:
         return None
     fig, axes = plt.subplots(1, 3, figsize=(15, 3.8))
-    sizes = [p[0] for p in points]
     x = np.arange(len(points))  # one slot per corpus size (0 has no place on a log axis)
-    for ax, index, label in ((axes[0], 2, "critic EV, end of value pretraining"), (axes[1], 3, "final held-out success %")):
-        stats = [mean_ci95(p[index]) if p[index] else (math.nan, math.nan) for p in points]
-        scale = 100.0 if index == 3 else 1.0
+    for ax, pick, label, scale in ((axes[0], 0, "critic EV, end of value pretraining", 1.0),
+                                   (axes[1], 1, "final held-out success %", 100.0)):  # fmt: skip
+        stats = []
+        for _, _, per_seed in points:
+            values = [seed[pick] for seed in per_seed if seed[pick] is not None]
+            stats.append(mean_ci95(values) if values else (math.nan, math.nan))
         ax.errorbar(x, [scale * m for m, _ in stats], yerr=[0 if math.isnan(h) else scale * h for _, h in stats],
                     marker="o", capsize=4)  # fmt: skip
         ax.set(title=label, xlabel="value-pretraining rollouts")
-        ax.set_xticks(x, [str(n) for n in sizes])
+        ax.set_xticks(x, [str(size) for size, _, _ in points])
         ax.grid(alpha=0.3)
-    for size, _, ev, final in points:
-        axes[2].scatter(ev[:len(final)], [100 * f for f in final[:len(ev)]], label=str(size), s=18)
+    for size, _, per_seed in points:
+        pairs = [(ev, final) for ev, final in per_seed if ev is not None]
+        if pairs:
+            axes[2].scatter([ev for ev, _ in pairs], [100 * final for _, final in pairs], label=str(size), s=18)
     axes[2].set(title="per seed: EV after pretraining vs final success %", xlabel="critic EV, end of value pretraining")
     axes[2].grid(alpha=0.3)
-    axes[2].legend(title="rollouts", fontsize=8)
+    if axes[2].collections:
+        axes[2].legend(title="rollouts", fontsize=8)
     fig.suptitle(f"{comparison.title} — mean, 95 % CI")
     fig.tight_layout()
     path = out / suite_name / f"{comparison.slug}_curve.png"

@@ -511,6 +511,34 @@ def test_chain_report_gives_per_seed_results_robustness_and_mechanism_diagnostic
     assert "![success_grad_norms](chain/success_grad_norms.png)" in report
 
 
+def test_the_pretraining_curve_pairs_each_seeds_critic_fit_with_its_final_success(tmp_path):
+    """The critic suite's corpus curve: rows by `critic.pretrain_rollouts`, each seed's EV at the end
+    of value pretraining beside its final success; a run without value pretraining has no EV, and a
+    seed whose EV is missing does not shift the others' pairs."""
+    ev = "critic/explained_variance"
+    runs_of = {  # row: (corpus, {seed: (EV at the last pretraining epoch or None, final success)})
+        "sao": (4096, {0: (0.6, 0.8), 1: (None, 0.7), 2: (0.5, 0.9)}),
+        "sao_pretrain256": (256, {0: (0.3, 0.6), 1: (0.4, 0.5)}),
+        "sao_pretrain0": (0, {0: (None, 0.4), 1: (None, 0.45)}),
+    }
+    for row, (corpus, seeds) in runs_of.items():
+        for seed, (fit, final) in seeds.items():
+            pretraining = [] if fit is None else [{"step": 0, "stage": "value_pretrain", ev: fit - 0.2},
+                                                  {"step": 0, "stage": "value_pretrain", ev: fit}]  # fmt: skip
+            write_run(tmp_path / "critic" / row / f"seed{seed}", [(0, 0.2), (5, final)], extra=pretraining,
+                      config={"critic": {"pretrain_rollouts": corpus, "warmup_steps": 0}})  # fmt: skip
+    comparison = next(c for c in reproduce.SUITES["critic"].comparisons if c.pretraining_curve)
+    runs = {row: reproduce.load_runs(tmp_path, "critic", row) for row in runs_of}
+    assert reproduce.pretraining_points(comparison, runs, tmp_path, "critic") == [
+        (0, "no value pretraining", [(None, 0.4), (None, 0.45)]),
+        (256, "256 pretraining rollouts", [(0.3, 0.6), (0.4, 0.5)]),
+        (4096, "SAO", [(0.6, 0.8), (None, 0.7), (0.5, 0.9)]),
+    ]  # the 1,024 row has no finished run: no point
+    report = reproduce.write_report("critic", tmp_path).read_text()
+    assert (tmp_path / "critic" / "pretraining_curve.png").stat().st_size > 0
+    assert "![pretraining_curve](critic/pretraining_curve.png)" in report
+
+
 def test_report_without_any_run_folder_says_not_run(tmp_path):
     report = reproduce.write_report("table4", tmp_path).read_text()
     _, main = markdown_table(report, "row | config")
